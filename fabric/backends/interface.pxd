@@ -1,0 +1,122 @@
+# The fabric interface: the whole contract between the protocol engine and a
+# backend. The engine calls these function pointers with the GIL released; it
+# never imports a concrete backend. A backend provides:
+#
+#   * Backend (cdef class): a Python-visible description (name, capability
+#     flags, default thresholds, availability) and the slow-path factories
+#     listen() / connect(), called with the GIL held.
+#   * fab_channel: one connection. Two-sided send of a scatter list, delivery of
+#     received fabric messages, memory registration with a remote key the peer
+#     can use, one-sided read of a peer's registered region, non-blocking
+#     progress (poll) and a file descriptor to block on when idle.
+#   * fab_listener: accepts channels.
+#
+# Lifetime rules, which every backend must honour:
+#   * Memory given to send() stays untouched by the engine until send() returned
+#     FAB_DONE or a FAB_EV_SEND completion with the same ctx was polled.
+#   * Data of a FAB_EV_RECV completion is valid until the next poll() call.
+#   * close() releases every resource of the channel, including every region
+#     registered on it; after close() returns the backend touches no memory the
+#     engine gave it (no read still landing in a receive buffer).
+from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from posix.uio cimport iovec
+
+# Capability flags (fab_channel.caps / Backend.caps).
+cdef enum:
+    FAB_CAP_NATIVE_READ = 1        # read() needs no CPU at the peer (RDMA READ)
+    FAB_CAP_NATIVE_WRITE = 2       # a one-sided write exists
+    FAB_CAP_SEND_ANY_MEMORY = 4    # send() accepts unregistered memory
+    FAB_CAP_READ_ANY_MEMORY = 8    # read()'s destination need not be registered
+    FAB_CAP_SEND_COPIES = 16       # FAB_DONE from send() means the data was copied out
+
+# Results of send() / read() / reg(); negative values are -errno and mean the
+# channel has failed (its error text says why).
+cdef enum:
+    FAB_DONE = 0                   # completed during the call
+    FAB_PENDING = 1                # a completion with the same ctx will be polled
+
+# Completion kinds returned by poll().
+cdef enum:
+    FAB_EV_SEND = 1                # a FAB_PENDING send finished (ctx)
+    FAB_EV_READ = 2                # a read finished; status 0 or -errno (ctx)
+    FAB_EV_RECV = 3                # a fabric message arrived (data, length)
+    FAB_EV_FAILED = 4              # the channel failed; status -errno, see error
+
+cdef enum:
+    FAB_MAX_RKEY = 256             # largest remote key any backend packs
+    FAB_ERROR_TEXT = 160
+
+cdef struct fab_completion:
+    int kind
+    int status
+    uint64_t ctx
+    char* data
+    size_t length
+
+cdef struct fab_mr:
+    void* handle                   # backend's local handle
+    uint64_t addr                  # address the peer names in read()
+    size_t length
+    uint32_t rkey_len
+    uint8_t rkey[FAB_MAX_RKEY]     # opaque remote key, sent to the peer
+
+cdef struct fab_channel
+
+cdef struct fab_channel_ops:
+    int (*send)(fab_channel* ch, iovec* iov, int iovcnt, uint64_t ctx) noexcept nogil
+    int (*reg)(fab_channel* ch, void* addr, size_t length, fab_mr* mr) noexcept nogil
+    void (*dereg)(fab_channel* ch, fab_mr* mr) noexcept nogil
+    int (*read)(fab_channel* ch, void* dst, fab_mr* dst_mr, size_t length, uint64_t raddr,
+                uint8_t* rkey, uint32_t rkey_len, uint64_t ctx) noexcept nogil
+    # Stop a pending read from touching dst. Returns 0 if no byte will land in
+    # dst any more (no completion will follow), 1 if the read must be waited
+    # for (a completion will follow).
+    int (*cancel_read)(fab_channel* ch, uint64_t ctx) noexcept nogil
+    int (*poll)(fab_channel* ch, fab_completion* out, int max_events) noexcept nogil
+    # epoll events to wait for before blocking (and arm notification, where
+    # the fabric needs it). Returns 0 with *events set, or 1 if progress is
+    # possible right now (do not block).
+    int (*arm)(fab_channel* ch, uint32_t* events) noexcept nogil
+    void (*close)(fab_channel* ch) noexcept nogil
+
+cdef struct fab_channel:
+    fab_channel_ops* ops
+    int fd                         # pollable: readable when poll() may progress
+    uint32_t caps
+    size_t max_recv                # largest fabric message the engine accepts
+    int send_depth                 # pending sends after which the engine holds (and coalesces)
+    int failed
+    char error[FAB_ERROR_TEXT]
+    char local_name[64]
+    char peer_name[64]
+
+cdef struct fab_listener:
+    int fd                         # readable when accept() may return a channel
+    # 0 and *out set, or EAGAIN, or -errno
+    int (*accept)(fab_listener* lst, size_t max_recv, fab_channel** out) noexcept nogil
+    void (*close)(fab_listener* lst) noexcept nogil
+    char address[96]
+
+cdef class Backend:
+    cdef readonly str name
+    cdef readonly uint32_t caps
+    cdef fab_listener* listen(self, str host, int port, dict options) except NULL
+    # Blocking connect (GIL released inside) bounded by timeout seconds (<0: none).
+    cdef fab_channel* connect(self, str host, int port, double timeout, size_t max_recv,
+                              dict options) except NULL
+
+from fabric._posix cimport snprintf, strerror, EPROTO
+
+
+cdef inline int fab_fail(fab_channel* ch, int err, const char* what) noexcept nogil:
+    """Mark a channel failed (first reason wins) and return -err.
+
+    err is a positive errno; for protocol violations pass EPROTO and a full
+    sentence in `what`."""
+    if not ch.failed:
+        ch.failed = err
+        if err == EPROTO:  # `what` is the whole explanation
+            snprintf(ch.error, FAB_ERROR_TEXT, "%s", what)
+        else:
+            snprintf(ch.error, FAB_ERROR_TEXT, "%s: %s", what, strerror(err))
+    return -err

@@ -1,0 +1,877 @@
+# cython: language_level=3
+"""The TCP fabric: non-blocking sockets, TCP_NODELAY, IPv4 and IPv6.
+
+Wire format below the engine (little-endian, 16-byte header):
+
+    u8 magic 0xFA | u8 kind | u16 zero | u32 length | u64 ident
+
+    MSG        ident 0, `length` bytes of one fabric message follow
+               (at most the receiver's max_recv, else the connection closes).
+    READ_REQ   ident = request id, 24 bytes follow: u64 addr, u64 length, u64 key.
+    READ_RESP  ident = request id, exactly the requested bytes follow.
+    READ_ERR   ident = request id, 4 bytes follow: u32 errno of the refusal.
+
+One-sided read is emulated: the reader sends READ_REQ, the owner's backend
+checks the key and range against the regions registered *on this connection*
+and answers from the registered memory with one sendmsg (header + region, no
+copy); the reader receives the payload straight into the destination. A key is
+valid only on the connection it was registered on and only until dereg().
+"""
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
+from libc.stdlib cimport malloc, calloc, realloc, free
+from libc.string cimport memcpy, memmove, memset, strlen
+from posix.uio cimport iovec
+from cpython.bytes cimport PyBytes_AsString
+
+from fabric._posix cimport *
+from fabric.backends.interface cimport *
+
+cdef enum:
+    HDR = 16
+    MAGIC = 0xFA
+    K_MSG = 1
+    K_READ_REQ = 2
+    K_READ_RESP = 3
+    K_READ_ERR = 4
+    MAX_IOV = 64
+    INLINE_IOV = 8
+    DISCARD = 65536
+
+cdef struct tcp_send:
+    tcp_send* next
+    uint64_t ctx
+    int notify                 # report FAB_EV_SEND with ctx when sent
+    int iovcnt
+    int iovpos
+    iovec* iov
+    iovec iov_inline[INLINE_IOV]
+    uint8_t hdr[HDR + 24]
+
+cdef struct tcp_read:
+    tcp_read* next
+    uint64_t ident
+    uint64_t ctx
+    char* dst
+    size_t length
+    int canceled
+
+cdef struct tcp_region:
+    uint64_t key               # 0: slot free
+    char* addr
+    size_t length
+
+cdef struct tcp_chan:
+    fab_channel base
+    char* rbuf
+    size_t rcap
+    size_t rpos
+    size_t rlen
+    tcp_read* cur_read         # READ_RESP payload being received into its dst
+    size_t cur_done
+    char* discard
+    tcp_send* sq_head
+    tcp_send* sq_tail
+    tcp_send* done_head        # finished sends whose completion is not yet polled
+    tcp_send* done_tail
+    tcp_read* reads
+    uint64_t next_read
+    tcp_region* regions
+    uint32_t* free_slots
+    uint32_t nregions
+    uint32_t nfree
+    uint32_t key_salt
+    uint32_t key_gen
+
+
+cdef fab_channel_ops TCP_OPS
+TCP_OPS.send = tcp_send_msg
+TCP_OPS.reg = tcp_reg
+TCP_OPS.dereg = tcp_dereg
+TCP_OPS.read = tcp_read_remote
+TCP_OPS.cancel_read = tcp_cancel_read
+TCP_OPS.poll = tcp_poll
+TCP_OPS.arm = tcp_arm
+TCP_OPS.close = tcp_close
+
+
+cdef inline void put_u32(uint8_t* p, uint32_t v) noexcept nogil:
+    memcpy(p, &v, 4)
+
+cdef inline void put_u64(uint8_t* p, uint64_t v) noexcept nogil:
+    memcpy(p, &v, 8)
+
+cdef inline uint32_t get_u32(const uint8_t* p) noexcept nogil:
+    cdef uint32_t v
+    memcpy(&v, p, 4)
+    return v
+
+cdef inline uint64_t get_u64(const uint8_t* p) noexcept nogil:
+    cdef uint64_t v
+    memcpy(&v, p, 8)
+    return v
+
+cdef inline void make_header(uint8_t* h, int kind, uint32_t length, uint64_t ident) noexcept nogil:
+    h[0] = MAGIC
+    h[1] = <uint8_t>kind
+    h[2] = 0
+    h[3] = 0
+    put_u32(h + 4, length)
+    put_u64(h + 8, ident)
+
+
+# ---------------------------------------------------------------- sending
+
+cdef void advance_iov(tcp_send* s, size_t n) noexcept nogil:
+    """Consume n sent bytes from the front of s's scatter list."""
+    cdef iovec* v
+    while n > 0 and s.iovpos < s.iovcnt:
+        v = &s.iov[s.iovpos]
+        if n >= v.iov_len:
+            n -= v.iov_len
+            s.iovpos += 1
+        else:
+            v.iov_base = <char*>v.iov_base + n
+            v.iov_len -= n
+            n = 0
+    while s.iovpos < s.iovcnt and s.iov[s.iovpos].iov_len == 0:
+        s.iovpos += 1
+
+
+cdef tcp_send* new_send(iovec* iov, int cnt, uint64_t ctx, int notify) noexcept nogil:
+    """A queued send owning a copy of the scatter list; the first entry of
+    iov may point at a header, which is copied into the entry itself."""
+    cdef tcp_send* s = <tcp_send*>calloc(1, sizeof(tcp_send))
+    if s == NULL:
+        return NULL
+    if cnt <= INLINE_IOV:
+        s.iov = s.iov_inline
+    else:
+        s.iov = <iovec*>malloc(cnt * sizeof(iovec))
+        if s.iov == NULL:
+            free(s)
+            return NULL
+    memcpy(s.iov, iov, cnt * sizeof(iovec))
+    s.iovcnt = cnt
+    s.ctx = ctx
+    s.notify = notify
+    return s
+
+
+cdef void free_send(tcp_send* s) noexcept nogil:
+    if s.iov != s.iov_inline:
+        free(s.iov)
+    free(s)
+
+
+cdef void queue_send(tcp_chan* c, tcp_send* s) noexcept nogil:
+    s.next = NULL
+    if c.sq_tail == NULL:
+        c.sq_head = s
+    else:
+        c.sq_tail.next = s
+    c.sq_tail = s
+
+
+cdef int flush_sends(tcp_chan* c) noexcept nogil:
+    """Write queued sends until the socket is full. 0, or -errno on failure."""
+    cdef tcp_send* s
+    cdef msghdr mh
+    cdef ssize_t r
+    cdef int n
+    while c.sq_head != NULL:
+        s = c.sq_head
+        if s.iovpos >= s.iovcnt:
+            c.sq_head = s.next
+            if c.sq_head == NULL:
+                c.sq_tail = NULL
+            if s.notify:
+                s.next = NULL
+                if c.done_tail == NULL:
+                    c.done_head = s
+                else:
+                    c.done_tail.next = s
+                c.done_tail = s
+            else:
+                free_send(s)
+            continue
+        memset(&mh, 0, sizeof(mh))
+        n = s.iovcnt - s.iovpos
+        if n > MAX_IOV:
+            n = MAX_IOV
+        mh.msg_iov = &s.iov[s.iovpos]
+        mh.msg_iovlen = n
+        r = sendmsg(c.base.fd, &mh, MSG_DONTWAIT | MSG_NOSIGNAL)
+        if r < 0:
+            if errno == EAGAIN or errno == EWOULDBLOCK:
+                return 0
+            if errno == EINTR:
+                continue
+            return fab_fail(&c.base, errno, "send failed")
+        advance_iov(s, <size_t>r)
+    return 0
+
+
+cdef int tcp_send_msg(fab_channel* ch, iovec* iov, int iovcnt, uint64_t ctx) noexcept nogil:
+    cdef tcp_chan* c = <tcp_chan*>ch
+    cdef iovec v[MAX_IOV + 1]
+    cdef uint8_t hdr[HDR]
+    cdef size_t total = 0
+    cdef int i
+    cdef ssize_t r
+    cdef msghdr mh
+    cdef tcp_send* s
+    if ch.failed:
+        return -ch.failed
+    if iovcnt > MAX_IOV:
+        return -EINVAL
+    for i in range(iovcnt):
+        total += iov[i].iov_len
+        v[i + 1] = iov[i]
+    if total > 0xFFFFFFFFUL:
+        return -EMSGSIZE
+    make_header(hdr, K_MSG, <uint32_t>total, 0)
+    v[0].iov_base = hdr
+    v[0].iov_len = HDR
+    r = 0
+    if c.sq_head == NULL:
+        memset(&mh, 0, sizeof(mh))
+        mh.msg_iov = v
+        mh.msg_iovlen = iovcnt + 1
+        while True:
+            r = sendmsg(ch.fd, &mh, MSG_DONTWAIT | MSG_NOSIGNAL)
+            if r >= 0 or errno != EINTR:
+                break
+        if r == <ssize_t>(total + HDR):
+            return FAB_DONE
+        if r < 0:
+            if errno != EAGAIN and errno != EWOULDBLOCK:
+                return fab_fail(ch, errno, "send failed")
+            r = 0
+    s = new_send(v, iovcnt + 1, ctx, 1)
+    if s == NULL:
+        return fab_fail(ch, ENOMEM, "send queue")
+    memcpy(s.hdr, hdr, HDR)
+    s.iov[0].iov_base = s.hdr
+    advance_iov(s, <size_t>r)
+    queue_send(c, s)
+    return FAB_PENDING
+
+
+# ------------------------------------------------------------ registration
+
+cdef int tcp_reg(fab_channel* ch, void* addr, size_t length, fab_mr* mr) noexcept nogil:
+    cdef tcp_chan* c = <tcp_chan*>ch
+    cdef uint32_t slot
+    cdef tcp_region* grown
+    cdef uint32_t* grown_free
+    cdef uint32_t n, i
+    if ch.failed:
+        return -ch.failed
+    if c.nfree == 0:
+        n = c.nregions * 2 if c.nregions else 16
+        grown = <tcp_region*>realloc(c.regions, n * sizeof(tcp_region))
+        if grown == NULL:
+            return -ENOMEM
+        c.regions = grown
+        grown_free = <uint32_t*>realloc(c.free_slots, n * sizeof(uint32_t))
+        if grown_free == NULL:
+            return -ENOMEM
+        c.free_slots = grown_free
+        for i in range(c.nregions, n):
+            c.regions[i].key = 0
+            c.free_slots[c.nfree] = n - 1 - (i - c.nregions)
+            c.nfree += 1
+        c.nregions = n
+    c.nfree -= 1
+    slot = c.free_slots[c.nfree]
+    c.key_gen += 1
+    # The high half changes with every registration, so a key stays valid
+    # only until its region is deregistered, even if the slot is reused.
+    c.regions[slot].key = ((<uint64_t>(c.key_gen ^ c.key_salt) | 1) << 32) | slot
+    c.regions[slot].addr = <char*>addr
+    c.regions[slot].length = length
+    mr.handle = <void*><size_t>slot
+    mr.addr = <uint64_t><size_t>addr
+    mr.length = length
+    mr.rkey_len = 8
+    put_u64(mr.rkey, c.regions[slot].key)
+    return FAB_DONE
+
+
+cdef void tcp_dereg(fab_channel* ch, fab_mr* mr) noexcept nogil:
+    cdef tcp_chan* c = <tcp_chan*>ch
+    cdef uint32_t slot = <uint32_t><size_t>mr.handle
+    if slot < c.nregions and c.regions[slot].key != 0:
+        c.regions[slot].key = 0
+        c.free_slots[c.nfree] = slot
+        c.nfree += 1
+
+
+cdef tcp_region* find_region(tcp_chan* c, uint64_t key, uint64_t addr, uint64_t length) noexcept nogil:
+    cdef uint32_t slot = <uint32_t>(key & 0xFFFFFFFFUL)
+    cdef tcp_region* r
+    if key == 0 or slot >= c.nregions:
+        return NULL
+    r = &c.regions[slot]
+    if r.key != key:
+        return NULL
+    if addr < <uint64_t><size_t>r.addr or length > r.length:
+        return NULL
+    if addr - <uint64_t><size_t>r.addr > r.length - length:
+        return NULL
+    return r
+
+
+cdef int serve_read(tcp_chan* c, const uint8_t* h, const uint8_t* body) noexcept nogil:
+    """Answer a peer's READ_REQ from a region registered on this connection."""
+    cdef uint64_t ident = get_u64(h + 8)
+    cdef uint64_t addr = get_u64(body)
+    cdef uint64_t length = get_u64(body + 8)
+    cdef uint64_t key = get_u64(body + 16)
+    cdef tcp_region* r = find_region(c, key, addr, length)
+    cdef iovec v[2]
+    cdef tcp_send* s
+    cdef int cnt
+    if r == NULL or length > 0xFFFFFFFFUL:
+        v[0].iov_base = NULL
+        v[0].iov_len = HDR + 4
+        cnt = 1
+    else:
+        v[0].iov_base = NULL
+        v[0].iov_len = HDR
+        v[1].iov_base = <void*><size_t>addr
+        v[1].iov_len = <size_t>length
+        cnt = 2
+    s = new_send(v, cnt, 0, 0)
+    if s == NULL:
+        return fab_fail(&c.base, ENOMEM, "read service")
+    if cnt == 1:
+        make_header(s.hdr, K_READ_ERR, 4, ident)
+        put_u32(s.hdr + HDR, 13)  # EACCES
+    else:
+        make_header(s.hdr, K_READ_RESP, <uint32_t>length, ident)
+    s.iov[0].iov_base = s.hdr
+    queue_send(c, s)
+    return 0
+
+
+# ---------------------------------------------------------------- reading
+
+cdef int tcp_read_remote(fab_channel* ch, void* dst, fab_mr* dst_mr, size_t length, uint64_t raddr,
+                         uint8_t* rkey, uint32_t rkey_len, uint64_t ctx) noexcept nogil:
+    cdef tcp_chan* c = <tcp_chan*>ch
+    cdef tcp_read* rd
+    cdef iovec v
+    cdef tcp_send* s
+    if ch.failed:
+        return -ch.failed
+    if rkey_len != 8 or length > 0xFFFFFFFFUL:
+        return -EINVAL
+    rd = <tcp_read*>calloc(1, sizeof(tcp_read))
+    if rd == NULL:
+        return fab_fail(ch, ENOMEM, "read")
+    c.next_read += 1
+    rd.ident = c.next_read
+    rd.ctx = ctx
+    rd.dst = <char*>dst
+    rd.length = length
+    rd.next = c.reads
+    c.reads = rd
+    v.iov_base = NULL
+    v.iov_len = HDR + 24
+    s = new_send(&v, 1, 0, 0)
+    if s == NULL:
+        return fab_fail(ch, ENOMEM, "read")
+    make_header(s.hdr, K_READ_REQ, 24, rd.ident)
+    put_u64(s.hdr + HDR, raddr)
+    put_u64(s.hdr + HDR + 8, length)
+    memcpy(s.hdr + HDR + 16, rkey, 8)
+    s.iov[0].iov_base = s.hdr
+    queue_send(c, s)
+    if flush_sends(c) < 0:
+        return -ch.failed
+    return FAB_PENDING
+
+
+cdef tcp_read* take_read(tcp_chan* c, uint64_t ident) noexcept nogil:
+    cdef tcp_read** p = &c.reads
+    cdef tcp_read* r
+    while p[0] != NULL:
+        r = p[0]
+        if r.ident == ident:
+            p[0] = r.next
+            r.next = NULL
+            return r
+        p = &r.next
+    return NULL
+
+
+cdef int tcp_cancel_read(fab_channel* ch, uint64_t ctx) noexcept nogil:
+    # Emulated reads can always be cancelled at once: any payload still to
+    # come is received into a discard buffer instead of dst.
+    cdef tcp_chan* c = <tcp_chan*>ch
+    cdef tcp_read* r = c.reads
+    while r != NULL:
+        if r.ctx == ctx:
+            r.canceled = 1
+            return 0
+        r = r.next
+    if c.cur_read != NULL and c.cur_read.ctx == ctx:
+        c.cur_read.canceled = 1
+    return 0
+
+
+# ---------------------------------------------------------------- polling
+
+cdef int emit(fab_completion* out, int n, int kind, int status, uint64_t ctx,
+              char* data, size_t length) noexcept nogil:
+    out[n].kind = kind
+    out[n].status = status
+    out[n].ctx = ctx
+    out[n].data = data
+    out[n].length = length
+    return n + 1
+
+
+cdef int recv_payload(tcp_chan* c, fab_completion* out, int n) noexcept nogil:
+    """Continue receiving the current READ_RESP payload straight into its
+    destination. Returns the new event count, or -1 if the socket is empty."""
+    cdef tcp_read* r = c.cur_read
+    cdef ssize_t got
+    cdef size_t want = r.length - c.cur_done
+    cdef char* target
+    while want > 0:
+        if r.canceled:
+            target = c.discard
+            if want > DISCARD:
+                want = DISCARD
+        else:
+            target = r.dst + c.cur_done
+        got = recv(c.base.fd, target, want, MSG_DONTWAIT)
+        if got == 0:
+            fab_fail(&c.base, ECONNRESET, "peer closed the connection during a read")
+            return n
+        if got < 0:
+            if errno == EINTR:
+                continue
+            if errno == EAGAIN or errno == EWOULDBLOCK:
+                return -1
+            fab_fail(&c.base, errno, "recv failed")
+            return n
+        c.cur_done += <size_t>got
+        want = r.length - c.cur_done
+    c.cur_read = NULL
+    if not r.canceled:
+        n = emit(out, n, FAB_EV_READ, 0, r.ctx, NULL, r.length)
+    free(r)
+    return n
+
+
+cdef int tcp_poll(fab_channel* ch, fab_completion* out, int max_events) noexcept nogil:
+    cdef tcp_chan* c = <tcp_chan*>ch
+    cdef int n = 0
+    cdef int kind, r2
+    cdef int emitted_recv = 0
+    cdef uint8_t* h
+    cdef uint32_t length
+    cdef size_t avail, take
+    cdef ssize_t got
+    cdef tcp_read* rd
+    cdef tcp_send* s
+    if ch.failed:
+        return emit(out, 0, FAB_EV_FAILED, -ch.failed, 0, NULL, 0)
+    # Completed sends first: they free the engine's buffers.
+    while c.done_head != NULL and n < max_events:
+        s = c.done_head
+        c.done_head = s.next
+        if c.done_head == NULL:
+            c.done_tail = NULL
+        n = emit(out, n, FAB_EV_SEND, 0, s.ctx, NULL, 0)
+        free_send(s)
+    if flush_sends(c) < 0:
+        return emit(out, n, FAB_EV_FAILED, -ch.failed, 0, NULL, 0) if n < max_events else n
+    # Data handed out by the previous poll() is no longer referenced: compact.
+    if c.rpos > 0:
+        if c.rlen > c.rpos:
+            memmove(c.rbuf, c.rbuf + c.rpos, c.rlen - c.rpos)
+        c.rlen -= c.rpos
+        c.rpos = 0
+    while n < max_events and not ch.failed:
+        if c.cur_read != NULL:
+            r2 = recv_payload(c, out, n)
+            if r2 < 0:
+                break
+            n = r2
+            continue
+        avail = c.rlen - c.rpos
+        if avail >= HDR:
+            h = <uint8_t*>c.rbuf + c.rpos
+            kind = h[1]
+            length = get_u32(h + 4)
+            if h[0] != MAGIC or h[2] != 0 or h[3] != 0 or kind < K_MSG or kind > K_READ_ERR:
+                fab_fail(ch, EPROTO, "malformed frame from peer (bad TCP fabric header)")
+                break
+            if kind == K_MSG:
+                if length > ch.max_recv:
+                    fab_fail(ch, EPROTO, "peer sent a fabric message larger than this endpoint accepts")
+                    break
+                if avail >= HDR + length:
+                    n = emit(out, n, FAB_EV_RECV, 0, 0, c.rbuf + c.rpos + HDR, length)
+                    c.rpos += HDR + length
+                    emitted_recv = 1
+                    continue
+            elif kind == K_READ_REQ:
+                if length != 24 or get_u64(h + 8) == 0:
+                    fab_fail(ch, EPROTO, "malformed read request from peer")
+                    break
+                if avail >= HDR + 24:
+                    if serve_read(c, h, h + HDR) < 0:
+                        break
+                    c.rpos += HDR + 24
+                    continue
+            elif kind == K_READ_ERR:
+                if length != 4:
+                    fab_fail(ch, EPROTO, "malformed read error from peer")
+                    break
+                if avail >= HDR + 4:
+                    rd = take_read(c, get_u64(h + 8))
+                    if rd == NULL:
+                        fab_fail(ch, EPROTO, "peer answered a read that was not requested")
+                        break
+                    if not rd.canceled:
+                        n = emit(out, n, FAB_EV_READ, -<int>get_u32(h + HDR), rd.ctx, NULL, 0)
+                    free(rd)
+                    c.rpos += HDR + 4
+                    continue
+            else:  # K_READ_RESP: payload goes straight to the read's destination
+                rd = take_read(c, get_u64(h + 8))
+                if rd == NULL or rd.length != length:
+                    if rd != NULL:
+                        free(rd)
+                    fab_fail(ch, EPROTO, "peer answered a read that was not requested (or with a wrong length)")
+                    break
+                c.rpos += HDR
+                take = c.rlen - c.rpos
+                if take > length:
+                    take = length
+                if take and not rd.canceled:
+                    memcpy(rd.dst, c.rbuf + c.rpos, take)
+                c.rpos += take
+                c.cur_read = rd
+                c.cur_done = take
+                continue
+        # Need more bytes. Make room only if no data handed out in this call
+        # lives in the buffer (it is valid until the next poll()).
+        if c.rpos > 0 and not emitted_recv:
+            memmove(c.rbuf, c.rbuf + c.rpos, c.rlen - c.rpos)
+            c.rlen -= c.rpos
+            c.rpos = 0
+        elif c.rlen == c.rcap:
+            break
+        got = recv(ch.fd, c.rbuf + c.rlen, c.rcap - c.rlen, MSG_DONTWAIT)
+        if got > 0:
+            c.rlen += <size_t>got
+            continue
+        if got == 0:
+            fab_fail(ch, ECONNRESET, "peer closed the connection")
+            break
+        if errno == EINTR:
+            continue
+        if errno == EAGAIN or errno == EWOULDBLOCK:
+            break
+        fab_fail(ch, errno, "recv failed")
+    if ch.failed and n < max_events:
+        n = emit(out, n, FAB_EV_FAILED, -ch.failed, 0, NULL, 0)
+    return n
+
+
+cdef int tcp_arm(fab_channel* ch, uint32_t* events) noexcept nogil:
+    cdef tcp_chan* c = <tcp_chan*>ch
+    cdef uint8_t* h
+    cdef uint32_t length
+    cdef size_t avail = c.rlen - c.rpos
+    if ch.failed or c.done_head != NULL:
+        return 1
+    if c.cur_read == NULL and avail >= HDR:
+        # A complete frame is buffered: progress is possible without the socket.
+        h = <uint8_t*>c.rbuf + c.rpos
+        length = get_u32(h + 4)
+        if h[1] == K_READ_RESP or avail >= HDR + <size_t>length:
+            return 1
+    events[0] = EPOLLIN | (EPOLLOUT if c.sq_head != NULL else 0)
+    return 0
+
+
+cdef void tcp_close(fab_channel* ch) noexcept nogil:
+    cdef tcp_chan* c = <tcp_chan*>ch
+    cdef tcp_send* s
+    cdef tcp_read* r
+    if ch.fd >= 0:
+        close(ch.fd)
+        ch.fd = -1
+    while c.sq_head != NULL:
+        s = c.sq_head
+        c.sq_head = s.next
+        free_send(s)
+    while c.done_head != NULL:
+        s = c.done_head
+        c.done_head = s.next
+        free_send(s)
+    while c.reads != NULL:
+        r = c.reads
+        c.reads = r.next
+        free(r)
+    if c.cur_read != NULL:
+        free(c.cur_read)
+    free(c.rbuf)
+    free(c.discard)
+    free(c.regions)
+    free(c.free_slots)
+    free(c)
+
+
+# ------------------------------------------------------- connection set-up
+
+cdef void format_name(sockaddr* sa, socklen_t salen, char* out, size_t n) noexcept nogil:
+    cdef char host[NI_MAXHOST]
+    cdef char serv[NI_MAXSERV]
+    if getnameinfo(sa, salen, host, NI_MAXHOST, serv, NI_MAXSERV, NI_NUMERICHOST | NI_NUMERICSERV) != 0:
+        snprintf(out, n, "?")
+    elif sa.sa_family == AF_INET6:
+        snprintf(out, n, "[%s]:%s", host, serv)
+    else:
+        snprintf(out, n, "%s:%s", host, serv)
+
+
+cdef int set_int_opt(int fd, int level, int name, int value) noexcept nogil:
+    return setsockopt(fd, level, name, &value, sizeof(int))
+
+
+cdef int tune_socket(int fd, int user_timeout_ms, int keepalive_s) noexcept nogil:
+    set_int_opt(fd, IPPROTO_TCP, TCP_NODELAY, 1)
+    if keepalive_s > 0:
+        # A peer host that vanishes without a FIN/RST must still fail the
+        # connection: keepalive probes plus a bound on unacknowledged data.
+        set_int_opt(fd, SOL_SOCKET, SO_KEEPALIVE, 1)
+        set_int_opt(fd, IPPROTO_TCP, TCP_KEEPIDLE, keepalive_s)
+        set_int_opt(fd, IPPROTO_TCP, TCP_KEEPINTVL, keepalive_s)
+        set_int_opt(fd, IPPROTO_TCP, TCP_KEEPCNT, 3)
+    if user_timeout_ms > 0:
+        set_int_opt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, user_timeout_ms)
+    return 0
+
+
+cdef fab_channel* new_channel(int fd, size_t max_recv) noexcept nogil:
+    cdef tcp_chan* c = <tcp_chan*>calloc(1, sizeof(tcp_chan))
+    cdef sockaddr_storage ss
+    cdef socklen_t sl
+    cdef uint32_t salt = 0
+    if c == NULL:
+        return NULL
+    c.base.ops = &TCP_OPS
+    c.base.fd = fd
+    c.base.caps = FAB_CAP_SEND_ANY_MEMORY | FAB_CAP_READ_ANY_MEMORY | FAB_CAP_SEND_COPIES
+    c.base.max_recv = max_recv
+    c.base.send_depth = 1
+    c.rcap = max_recv + HDR + 4096
+    if c.rcap < 65536:
+        c.rcap = 65536
+    c.rbuf = <char*>malloc(c.rcap)
+    c.discard = <char*>malloc(DISCARD)
+    if c.rbuf == NULL or c.discard == NULL:
+        free(c.rbuf)
+        free(c.discard)
+        free(c)
+        return NULL
+    getrandom(&salt, sizeof(salt), 0)
+    c.key_salt = salt
+    sl = sizeof(ss)
+    if getsockname(fd, <sockaddr*>&ss, &sl) == 0:
+        format_name(<sockaddr*>&ss, sl, c.base.local_name, 64)
+    sl = sizeof(ss)
+    if getpeername(fd, <sockaddr*>&ss, &sl) == 0:
+        format_name(<sockaddr*>&ss, sl, c.base.peer_name, 64)
+    return &c.base
+
+
+cdef struct tcp_lst:
+    fab_listener base
+    int user_timeout_ms
+    int keepalive_s
+
+
+cdef int tcp_accept(fab_listener* lst, size_t max_recv, fab_channel** out) noexcept nogil:
+    cdef tcp_lst* l = <tcp_lst*>lst
+    cdef int fd
+    while True:
+        fd = accept4(lst.fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC)
+        if fd >= 0 or errno != EINTR:
+            break
+    if fd < 0:
+        if errno == EAGAIN or errno == EWOULDBLOCK or errno == ECONNABORTED:
+            return EAGAIN
+        return -errno
+    tune_socket(fd, l.user_timeout_ms, l.keepalive_s)
+    out[0] = new_channel(fd, max_recv)
+    if out[0] == NULL:
+        close(fd)
+        return -ENOMEM
+    return 0
+
+
+cdef void tcp_close_listener(fab_listener* lst) noexcept nogil:
+    if lst.fd >= 0:
+        close(lst.fd)
+    free(lst)
+
+
+cdef class TcpBackend(Backend):
+    """TCP sockets; one-sided reads are emulated over the stream."""
+
+    def __init__(self):
+        self.name = "tcp"
+        self.caps = FAB_CAP_SEND_ANY_MEMORY | FAB_CAP_READ_ANY_MEMORY | FAB_CAP_SEND_COPIES
+
+    def default_options(self):
+        # Over TCP a rendezvous costs one extra round trip and saves one copy at
+        # the receiver; the copy is cheaper below ~64 KiB on loopback.
+        return {"eager_limit": 65536, "chunk_size": 4 << 20, "chunks_in_flight": 2,
+                "coalesce_limit": 65536 + 4096, "credits": 32}
+
+    @staticmethod
+    def available():
+        return True, "sockets are always available"
+
+    cdef fab_listener* listen(self, str host, int port, dict options) except NULL:
+        cdef addrinfo hints
+        cdef addrinfo* res = NULL
+        cdef addrinfo* ai
+        cdef int fd = -1, rc, err = 0
+        cdef sockaddr_storage ss
+        cdef socklen_t sl
+        cdef tcp_lst* l
+        cdef bytes bhost = (host or "").encode()
+        cdef bytes bport = str(port).encode()
+        cdef const char* node = NULL
+        cdef const char* service = bport
+        memset(&hints, 0, sizeof(hints))
+        hints.ai_family = AF_UNSPEC
+        hints.ai_socktype = SOCK_STREAM
+        hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV
+        if bhost:
+            node = bhost
+        with nogil:
+            rc = getaddrinfo(node, service, &hints, &res)
+        if rc != 0:
+            raise OSError(f"cannot resolve {host!r}: {gai_strerror(rc).decode()}")
+        try:
+            ai = res
+            while ai != NULL:
+                fd = socket(ai.ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)
+                if fd >= 0:
+                    set_int_opt(fd, SOL_SOCKET, SO_REUSEADDR, 1)
+                    if ai.ai_family == AF_INET6 and not bhost:
+                        set_int_opt(fd, IPPROTO_IPV6, IPV6_V6ONLY, 0)
+                    if bind(fd, ai.ai_addr, ai.ai_addrlen) == 0 and listen(fd, SOMAXCONN) == 0:
+                        break
+                    err = errno
+                    close(fd)
+                    fd = -1
+                else:
+                    err = errno
+                ai = ai.ai_next
+        finally:
+            freeaddrinfo(res)
+        if fd < 0:
+            raise OSError(err, f"cannot listen on {host}:{port}: {strerror(err).decode()}")
+        l = <tcp_lst*>calloc(1, sizeof(tcp_lst))
+        if l == NULL:
+            close(fd)
+            raise MemoryError()
+        l.base.fd = fd
+        l.base.accept = tcp_accept
+        l.base.close = tcp_close_listener
+        l.user_timeout_ms = int(options.get("tcp_user_timeout_ms", 30000))
+        l.keepalive_s = int(options.get("tcp_keepalive_s", 10))
+        sl = sizeof(ss)
+        getsockname(fd, <sockaddr*>&ss, &sl)
+        format_name(<sockaddr*>&ss, sl, l.base.address, 96)
+        return &l.base
+
+    cdef fab_channel* connect(self, str host, int port, double timeout, size_t max_recv,
+                              dict options) except NULL:
+        cdef addrinfo hints
+        cdef addrinfo* res = NULL
+        cdef addrinfo* ai
+        cdef int fd = -1, rc, err = ETIMEDOUT, soerr
+        cdef socklen_t sl
+        cdef pollfd pfd
+        cdef int ms
+        cdef double deadline = monotonic_now() + timeout if timeout >= 0 else -1.0
+        cdef bytes bhost = host.encode()
+        cdef bytes bport = str(port).encode()
+        cdef const char* node = bhost
+        cdef const char* service = bport
+        cdef int user_timeout_ms = int(options.get("tcp_user_timeout_ms", 30000))
+        cdef int keepalive_s = int(options.get("tcp_keepalive_s", 10))
+        cdef fab_channel* ch
+        memset(&hints, 0, sizeof(hints))
+        hints.ai_family = AF_UNSPEC
+        hints.ai_socktype = SOCK_STREAM
+        hints.ai_flags = AI_NUMERICSERV
+        with nogil:
+            rc = getaddrinfo(node, service, &hints, &res)
+        if rc != 0:
+            raise OSError(f"cannot resolve {host!r}: {gai_strerror(rc).decode()}")
+        try:
+            with nogil:
+                ai = res
+                while ai != NULL:
+                    fd = socket(ai.ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)
+                    if fd < 0:
+                        err = errno
+                        ai = ai.ai_next
+                        continue
+                    rc = connect(fd, ai.ai_addr, ai.ai_addrlen)
+                    if rc != 0 and errno == EINPROGRESS:
+                        pfd.fd = fd
+                        pfd.events = POLLOUT
+                        while True:
+                            ms = -1 if deadline < 0 else <int>((deadline - monotonic_now()) * 1000)
+                            if deadline >= 0 and ms < 0:
+                                ms = 0
+                            rc = poll(&pfd, 1, ms)
+                            if rc >= 0 or errno != EINTR:
+                                break
+                        if rc == 0:
+                            err = ETIMEDOUT
+                            rc = -1
+                        elif rc > 0:
+                            soerr = 0
+                            sl = sizeof(int)
+                            getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &sl)
+                            err = soerr
+                            rc = 0 if soerr == 0 else -1
+                        else:
+                            err = errno
+                    elif rc != 0:
+                        err = errno
+                    if rc == 0:
+                        break
+                    close(fd)
+                    fd = -1
+                    if err == ETIMEDOUT:
+                        break
+                    ai = ai.ai_next
+        finally:
+            freeaddrinfo(res)
+        if fd < 0:
+            if err == ETIMEDOUT:
+                raise TimeoutError(f"connect to {host}:{port} timed out")
+            raise ConnectionRefusedError(err, f"cannot connect to {host}:{port}: {strerror(err).decode()}")
+        tune_socket(fd, user_timeout_ms, keepalive_s)
+        ch = new_channel(fd, max_recv)
+        if ch == NULL:
+            close(fd)
+            raise MemoryError()
+        return ch

@@ -1,0 +1,210 @@
+# The engine's frame format, version 1. This file is the single definition;
+# docs/README's "Frame format" section mirrors it.
+#
+# A fabric message (one backend send) carries one or more frames back to back.
+# Every frame starts with a 24-byte little-endian header:
+#
+#   off size field
+#     0    1 magic        0xFB
+#     1    1 version      1
+#     2    1 type         HELLO..CLOSE below
+#     3    1 flags        per type; unknown bits are an error
+#     4    4 body_length  bytes of body following the header
+#     8    8 msg_id       message sequence number on this endpoint (from 1)
+#    16    4 aux          RNDV / CHUNK_DONE: chunk index; otherwise 0
+#    20    2 credits      receive buffers the sender of this frame returns
+#    22    2 reserved     0
+#
+# Bodies:
+#   HELLO       32 bytes: u32 max_recv, u32 credits, u64 max_message, u64 0, u64 0
+#   EAGER       the message bytes (possibly none)
+#   RNDV        announces one chunk of a rendezvous message:
+#               u64 total, u64 offset, u64 raddr, u32 length, u16 rkey_len,
+#               u16 0, then rkey_len bytes of remote key. Chunks of a message
+#               are announced in order and tile [0, total) without gaps.
+#   CHUNK_DONE  no body; the receiver has pulled chunk `aux` of `msg_id` (or,
+#               with flag DONE_FAILED, gives up on the message).
+#   CREDIT      no body; carries only `credits`.
+#   CLOSE       no body; the sender will send nothing more.
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
+from libc.string cimport memcpy, memset
+
+cdef enum:
+    FRAME_MAGIC = 0xFB
+    FRAME_VERSION = 1
+    FRAME_HEADER = 24
+    HELLO_BODY = 32
+    RNDV_FIXED = 32
+    MAX_RKEY = 256
+
+cdef enum:
+    F_HELLO = 1
+    F_EAGER = 2
+    F_RNDV = 3
+    F_CHUNK_DONE = 4
+    F_CREDIT = 5
+    F_CLOSE = 6
+
+cdef enum:
+    DONE_FAILED = 1
+
+cdef struct frame_t:
+    int type
+    int flags
+    uint32_t body_length
+    uint64_t msg_id
+    uint32_t aux
+    uint32_t credits
+    const uint8_t* body
+    # RNDV
+    uint64_t total
+    uint64_t offset
+    uint64_t raddr
+    uint32_t length
+    uint32_t rkey_len
+    const uint8_t* rkey
+    # HELLO
+    uint32_t hello_max_recv
+    uint32_t hello_credits
+    uint64_t hello_max_message
+
+
+cdef inline void wr16(uint8_t* p, uint16_t v) noexcept nogil:
+    memcpy(p, &v, 2)
+
+cdef inline void wr32(uint8_t* p, uint32_t v) noexcept nogil:
+    memcpy(p, &v, 4)
+
+cdef inline void wr64(uint8_t* p, uint64_t v) noexcept nogil:
+    memcpy(p, &v, 8)
+
+cdef inline uint16_t rd16(const uint8_t* p) noexcept nogil:
+    cdef uint16_t v
+    memcpy(&v, p, 2)
+    return v
+
+cdef inline uint32_t rd32(const uint8_t* p) noexcept nogil:
+    cdef uint32_t v
+    memcpy(&v, p, 4)
+    return v
+
+cdef inline uint64_t rd64(const uint8_t* p) noexcept nogil:
+    cdef uint64_t v
+    memcpy(&v, p, 8)
+    return v
+
+
+cdef inline void put_header(uint8_t* p, int ftype, int flags, uint32_t body_length,
+                            uint64_t msg_id, uint32_t aux, uint16_t credits) noexcept nogil:
+    p[0] = FRAME_MAGIC
+    p[1] = FRAME_VERSION
+    p[2] = <uint8_t>ftype
+    p[3] = <uint8_t>flags
+    wr32(p + 4, body_length)
+    wr64(p + 8, msg_id)
+    wr32(p + 16, aux)
+    wr16(p + 20, credits)
+    wr16(p + 22, 0)
+
+
+cdef inline void set_credits(uint8_t* header, uint16_t credits) noexcept nogil:
+    wr16(header + 20, credits)
+
+
+cdef inline size_t put_rndv(uint8_t* p, uint64_t msg_id, uint32_t index, uint64_t total,
+                            uint64_t offset, uint64_t raddr, uint32_t length,
+                            const uint8_t* rkey, uint32_t rkey_len) noexcept nogil:
+    """Writes a whole RNDV frame; returns its size."""
+    put_header(p, F_RNDV, 0, RNDV_FIXED + rkey_len, msg_id, index, 0)
+    p += FRAME_HEADER
+    wr64(p, total)
+    wr64(p + 8, offset)
+    wr64(p + 16, raddr)
+    wr32(p + 24, length)
+    wr16(p + 28, <uint16_t>rkey_len)
+    wr16(p + 30, 0)
+    memcpy(p + RNDV_FIXED, rkey, rkey_len)
+    return FRAME_HEADER + RNDV_FIXED + rkey_len
+
+
+cdef inline size_t put_hello(uint8_t* p, uint32_t max_recv, uint32_t credits,
+                             uint64_t max_message) noexcept nogil:
+    put_header(p, F_HELLO, 0, HELLO_BODY, 0, 0, 0)
+    p += FRAME_HEADER
+    memset(p, 0, HELLO_BODY)
+    wr32(p, max_recv)
+    wr32(p + 4, credits)
+    wr64(p + 8, max_message)
+    return FRAME_HEADER + HELLO_BODY
+
+
+cdef inline int parse_frame(const uint8_t* p, size_t avail, frame_t* f,
+                            const char** error) noexcept nogil:
+    """Decode and validate the frame at p. Returns its total size (> 0), or
+    -1 with *error set to a static explanation. Never reads past avail."""
+    cdef const uint8_t* b
+    if avail < FRAME_HEADER:
+        error[0] = "truncated frame header"
+        return -1
+    if p[0] != FRAME_MAGIC:
+        error[0] = "bad frame magic"
+        return -1
+    if p[1] != FRAME_VERSION:
+        error[0] = "unsupported frame version"
+        return -1
+    if rd16(p + 22) != 0:
+        error[0] = "reserved header bits set"
+        return -1
+    f.type = p[2]
+    f.flags = p[3]
+    f.body_length = rd32(p + 4)
+    f.msg_id = rd64(p + 8)
+    f.aux = rd32(p + 16)
+    f.credits = rd16(p + 20)
+    if f.body_length > avail - FRAME_HEADER:
+        error[0] = "frame body longer than its fabric message"
+        return -1
+    b = p + FRAME_HEADER
+    f.body = b
+    if f.type == F_EAGER:
+        if f.flags != 0 or f.aux != 0 or f.msg_id == 0:
+            error[0] = "malformed EAGER frame"
+            return -1
+    elif f.type == F_RNDV:
+        if f.flags != 0 or f.msg_id == 0 or f.body_length < RNDV_FIXED:
+            error[0] = "malformed RNDV frame"
+            return -1
+        f.total = rd64(b)
+        f.offset = rd64(b + 8)
+        f.raddr = rd64(b + 16)
+        f.length = rd32(b + 24)
+        f.rkey_len = rd16(b + 28)
+        f.rkey = b + RNDV_FIXED
+        if (rd16(b + 30) != 0 or f.rkey_len > MAX_RKEY
+                or f.body_length != RNDV_FIXED + f.rkey_len
+                or f.length == 0 or f.total == 0
+                or f.offset > f.total or f.length > f.total - f.offset):
+            error[0] = "malformed RNDV frame"
+            return -1
+    elif f.type == F_CHUNK_DONE:
+        if (f.flags & ~DONE_FAILED) != 0 or f.body_length != 0 or f.msg_id == 0:
+            error[0] = "malformed CHUNK_DONE frame"
+            return -1
+    elif f.type == F_CREDIT or f.type == F_CLOSE:
+        if f.flags != 0 or f.body_length != 0 or f.msg_id != 0 or f.aux != 0:
+            error[0] = "malformed control frame"
+            return -1
+    elif f.type == F_HELLO:
+        if f.flags != 0 or f.body_length != HELLO_BODY or f.msg_id != 0 or f.aux != 0:
+            error[0] = "malformed HELLO frame"
+            return -1
+        f.hello_max_recv = rd32(b)
+        f.hello_credits = rd32(b + 4)
+        f.hello_max_message = rd64(b + 8)
+        if rd64(b + 16) != 0 or rd64(b + 24) != 0:
+            error[0] = "malformed HELLO frame"
+            return -1
+    else:
+        error[0] = "unknown frame type"
+        return -1
+    return FRAME_HEADER + f.body_length
