@@ -1,0 +1,29 @@
+"""fabric: adaptive message and tensor transport (TCP, UCX, RDMA verbs).
+
+    import fabric
+    fab = fabric.Fabric()                 # backend: argument, $FABRIC_BACKEND, or auto
+    lst = fab.listen("127.0.0.1:0")
+    ep = fab.connect(lst.address)         # in another process or thread
+    peer = lst.accept()
+    ep.send(b"hello")                     # any C-contiguous buffer, or a list of them
+    msg = peer.recv()                     # a writable buffer (fabric.Message)
+    n = peer.recv_into(bytearray(1 << 20))
+
+The distribution is `fabric-transport`; it cannot share an environment with
+the unrelated SSH tool published on PyPI as `fabric` (same import name).
+"""
+from fabric.errors import (BackendUnavailable, BusyError, ConnectionClosed, ConnectionLost,
+                           FabricError, MessageTooLarge, ProtocolError, RemoteAccessError,
+                           Timeout)
+from fabric.protocol.engine import Endpoint, Listener, Message, Request
+from fabric.api import Fabric, connect, default_fabric, listen
+from fabric.backends import available as available_backends
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Fabric", "Endpoint", "Listener", "Message", "Request", "listen", "connect",
+    "default_fabric", "available_backends", "FabricError", "ProtocolError", "ConnectionLost",
+    "ConnectionClosed", "Timeout", "BackendUnavailable", "MessageTooLarge",
+    "RemoteAccessError", "BusyError",
+]

@@ -1,0 +1,77 @@
+"""Backend registry. Each backend is its own extension module, imported only
+when probed, so a missing UCX or libibverbs never breaks `import fabric`.
+
+`available()` says, for every known backend, whether it can be used here and
+why not; `get(name)` returns a Backend or raises BackendUnavailable with that
+list.
+"""
+from __future__ import annotations
+
+import importlib
+
+from fabric.errors import BackendUnavailable
+
+# name -> (module, class); AUTO_ORDER is fastest first.
+KNOWN = {
+    "ucx": ("fabric.backends.ucx", "UcxBackend"),
+    "verbs": ("fabric.backends.verbs", "VerbsBackend"),
+    "tcp": ("fabric.backends.tcp", "TcpBackend"),
+}
+ALIASES = {"softroce": "verbs"}
+AUTO_ORDER = ("ucx", "verbs", "tcp")
+NAMES = ("auto", "tcp", "ucx", "verbs", "softroce")
+
+_cache: dict[str, tuple] = {}
+
+
+def probe(name: str):
+    """(Backend or None, reason) for one backend name."""
+    if name in _cache:
+        return _cache[name]
+    module_name, cls_name = KNOWN[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        result = (None, f"not built into this installation ({e})")
+    else:
+        cls = getattr(module, cls_name)
+        ok, reason = cls.available()
+        result = (cls() if ok else None, reason)
+    _cache[name] = result
+    return result
+
+
+def available() -> dict:
+    """{name: (usable, reason)} for every known backend."""
+    return {name: (probe(name)[0] is not None, probe(name)[1]) for name in KNOWN}
+
+
+def _explain() -> str:
+    lines = []
+    for name, (ok, reason) in available().items():
+        lines.append(f"  {name}: {'available' if ok else 'unavailable'} ({reason})")
+    return "\n".join(lines)
+
+
+def get(name: str | None):
+    """The Backend for a name from NAMES; 'auto' picks the fastest usable one."""
+    key = (name or "auto").strip().lower()
+    if key not in NAMES:
+        raise BackendUnavailable(f"unknown fabric backend {name!r}; choose one of "
+                                 f"{', '.join(NAMES)}. Backends here:\n{_explain()}")
+    if key == "auto":
+        for candidate in AUTO_ORDER:
+            backend, _ = probe(candidate)
+            if backend is not None:
+                return backend
+        raise BackendUnavailable("no fabric backend is usable here:\n" + _explain())
+    if key == "softroce":
+        backend, reason = probe("verbs")
+        if backend is None:
+            raise BackendUnavailable(f"backend 'softroce' (verbs on an rxe device) is unavailable: "
+                                     f"{reason}. Backends here:\n{_explain()}")
+        return backend.for_softroce()
+    backend, reason = probe(key)
+    if backend is None:
+        raise BackendUnavailable(f"backend {key!r} is unavailable: {reason}. Backends here:\n{_explain()}")
+    return backend

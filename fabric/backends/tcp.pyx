@@ -202,7 +202,7 @@ cdef int flush_sends(tcp_chan* c) noexcept nogil:
         mh.msg_iovlen = n
         r = sendmsg(c.base.fd, &mh, MSG_DONTWAIT | MSG_NOSIGNAL)
         if r < 0:
-            if errno == EAGAIN or errno == EWOULDBLOCK:
+            if errno == EAGAIN:
                 return 0
             if errno == EINTR:
                 continue
@@ -244,7 +244,7 @@ cdef int tcp_send_msg(fab_channel* ch, iovec* iov, int iovcnt, uint64_t ctx) noe
         if r == <ssize_t>(total + HDR):
             return FAB_DONE
         if r < 0:
-            if errno != EAGAIN and errno != EWOULDBLOCK:
+            if errno != EAGAIN:
                 return fab_fail(ch, errno, "send failed")
             r = 0
     s = new_send(v, iovcnt + 1, ctx, 1)
@@ -454,7 +454,7 @@ cdef int recv_payload(tcp_chan* c, fab_completion* out, int n) noexcept nogil:
         if got < 0:
             if errno == EINTR:
                 continue
-            if errno == EAGAIN or errno == EWOULDBLOCK:
+            if errno == EAGAIN:
                 return -1
             fab_fail(&c.base, errno, "recv failed")
             return n
@@ -577,7 +577,7 @@ cdef int tcp_poll(fab_channel* ch, fab_completion* out, int max_events) noexcept
             break
         if errno == EINTR:
             continue
-        if errno == EAGAIN or errno == EWOULDBLOCK:
+        if errno == EAGAIN:
             break
         fab_fail(ch, errno, "recv failed")
     if ch.failed and n < max_events:
@@ -708,7 +708,7 @@ cdef int tcp_accept(fab_listener* lst, size_t max_recv, fab_channel** out) noexc
         if fd >= 0 or errno != EINTR:
             break
     if fd < 0:
-        if errno == EAGAIN or errno == EWOULDBLOCK or errno == ECONNABORTED:
+        if errno == EAGAIN or errno == ECONNABORTED:
             return EAGAIN
         return -errno
     tune_socket(fd, l.user_timeout_ms, l.keepalive_s)

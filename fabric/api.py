@@ -1,0 +1,73 @@
+"""fabric.Fabric: chooses a backend, resolves the knobs, owns the progress
+context (Worker) that its listeners and endpoints share."""
+from __future__ import annotations
+
+import os
+import threading
+
+from fabric import backends, options as _options
+from fabric.address import parse as _parse_address
+from fabric.protocol.engine import Worker
+
+
+class Fabric:
+    """A transport instance.
+
+    Fabric(backend=None, **options): backend from the argument, else
+    $FABRIC_BACKEND, else "auto" (the fastest usable here). Options are the
+    engine's knobs (see fabric.options), overriding profile and environment.
+    """
+
+    def __init__(self, backend: str | None = None, **options):
+        name = backend or os.environ.get("FABRIC_BACKEND") or "auto"
+        self.backend = backends.get(name)
+        self.options = _options.resolve(self.backend.name, self.backend.default_options(), options)
+        self._worker = Worker(self.backend, self.options)
+
+    @property
+    def name(self) -> str:
+        return self.backend.name
+
+    def listen(self, address: str = "127.0.0.1:0"):
+        """A Listener on address ("host:port"; port 0 picks a free one)."""
+        host, port = _parse_address(address, self.backend.name)
+        return self._worker.listen(host, port)
+
+    def connect(self, address: str, timeout: float | None = None):
+        """An Endpoint connected to a Listener's address."""
+        host, port = _parse_address(address, self.backend.name)
+        return self._worker.connect(host, port, timeout)
+
+    async def aconnect(self, address: str, timeout: float | None = None):
+        """connect() for asyncio: the loop keeps running during set-up."""
+        import asyncio
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.connect, address, timeout)
+
+    def progress(self):
+        """Progress every endpoint once without blocking."""
+        self._worker.progress()
+
+    def __repr__(self):
+        return f"<fabric.Fabric backend={self.backend.name}>"
+
+
+_default = None
+_default_lock = threading.Lock()
+
+
+def default_fabric() -> Fabric:
+    """The Fabric behind module-level fabric.listen / fabric.connect."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Fabric()
+        return _default
+
+
+def listen(address: str = "127.0.0.1:0"):
+    return default_fabric().listen(address)
+
+
+def connect(address: str, timeout: float | None = None):
+    return default_fabric().connect(address, timeout)

@@ -1,0 +1,166 @@
+"""The engine's knobs: defaults per backend, a tuning profile, environment
+variables and per-Fabric keyword arguments, in increasing order of precedence.
+
+| option            | environment variable        | meaning |
+|-------------------|-----------------------------|---------|
+| eager_limit       | FABRIC_EAGER_LIMIT          | largest message sent eagerly (copied through pre-allocated buffers or sent straight from the caller's buffer); larger ones go by rendezvous |
+| chunk_size        | FABRIC_CHUNK_SIZE           | rendezvous messages are registered and pulled in chunks of this size |
+| chunks_in_flight  | FABRIC_CHUNKS_IN_FLIGHT     | chunks announced (sender) and read (receiver) ahead per message |
+| coalesce_limit    | FABRIC_COALESCE_LIMIT       | largest fabric message; small messages queued while the fabric is busy are packed up to this size |
+| credits           | FABRIC_CREDITS              | receive buffers each endpoint offers its peer (flow control) |
+| recv_budget       | FABRIC_RECV_BUDGET          | bytes of not-yet-received messages an endpoint buffers before it stops returning credits |
+| send_buffers      | FABRIC_SEND_BUFFERS         | coalescing buffers per endpoint (bounds the sender's copies) |
+| max_message       | FABRIC_MAX_MESSAGE          | largest message accepted from a peer |
+| spin_us           | FABRIC_SPIN_US              | microseconds of busy polling before a wait blocks |
+| handshake_timeout | FABRIC_HANDSHAKE_TIMEOUT    | seconds a new connection has to complete its handshake |
+| close_linger      | FABRIC_CLOSE_LINGER         | seconds close() waits for queued sends to leave |
+| tcp_user_timeout_ms | FABRIC_TCP_USER_TIMEOUT_MS | tcp: unacknowledged data fails the connection after this long |
+| tcp_keepalive_s   | FABRIC_TCP_KEEPALIVE_S      | tcp: keepalive idle/interval seconds (a silent dead host is detected) |
+
+Sizes accept suffixes K, M, G (powers of 1024). The tuning profile is JSON,
+read from $FABRIC_PROFILE, else $XDG_CONFIG_HOME/fabric/tuning.json (default
+~/.config/fabric/tuning.json); FABRIC_PROFILE=none disables it. `fabric-perf
+--tune` writes it. A missing profile is silent; a corrupt or foreign one gives
+a warning and the defaults are used.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+
+PROFILE_FORMAT = "fabric-tuning"
+PROFILE_VERSION = 1
+
+# name: (kind, minimum, maximum)
+KNOBS = {
+    "eager_limit": ("size", 0, 1 << 30),
+    "chunk_size": ("size", 4096, 1 << 31),
+    "chunks_in_flight": ("int", 1, 1024),
+    "coalesce_limit": ("size", 1024, 1 << 30),
+    "credits": ("int", 4, 65536),
+    "recv_budget": ("size", 0, 1 << 62),
+    "send_buffers": ("int", 1, 1 << 20),
+    "max_message": ("size", 1, 1 << 62),
+    "spin_us": ("float", 0, 1e6),
+    "handshake_timeout": ("float", 0.001, 1e6),
+    "close_linger": ("float", 0, 1e6),
+    "tcp_user_timeout_ms": ("int", 0, 1 << 31),
+    "tcp_keepalive_s": ("int", 0, 1 << 15),
+}
+
+COMMON_DEFAULTS = {
+    "eager_limit": 65536,
+    "chunk_size": 4 << 20,
+    "chunks_in_flight": 2,
+    "coalesce_limit": 65536 + 4096,
+    "credits": 32,
+    "recv_budget": 64 << 20,
+    "send_buffers": 16,
+    "max_message": 1 << 40,
+    "spin_us": 50.0,
+    "handshake_timeout": 10.0,
+    "close_linger": 5.0,
+    "tcp_user_timeout_ms": 30000,
+    "tcp_keepalive_s": 10,
+}
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([kmgKMG]?)i?[bB]?\s*$")
+
+
+def env_name(option: str) -> str:
+    return "FABRIC_" + option.upper()
+
+
+def parse_value(name: str, value):
+    """Validate one knob; raises ValueError naming the knob."""
+    if name not in KNOBS:
+        raise ValueError(f"unknown fabric option {name!r}; known: {', '.join(sorted(KNOBS))}")
+    kind, lo, hi = KNOBS[name]
+    try:
+        if kind == "size":
+            if isinstance(value, str):
+                m = _SIZE.match(value)
+                if not m:
+                    raise ValueError(value)
+                value = int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
+            parsed = int(value)
+        elif kind == "int":
+            parsed = int(value)
+        else:
+            parsed = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"fabric option {name}={value!r} is not a valid {kind}") from None
+    if not lo <= parsed <= hi:
+        raise ValueError(f"fabric option {name}={parsed} is outside [{lo}, {hi}]")
+    return parsed
+
+
+def profile_path() -> str | None:
+    path = os.environ.get("FABRIC_PROFILE")
+    if path:
+        return None if path.lower() == "none" else path
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return os.path.join(base, "fabric", "tuning.json")
+
+
+def read_profile(backend: str, path: str | None = None) -> dict:
+    """Options tuned for `backend`, or {} (with a warning if the file is bad)."""
+    path = path if path is not None else profile_path()
+    if not path or not os.path.exists(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+        if not isinstance(doc, dict) or doc.get("format") != PROFILE_FORMAT:
+            raise ValueError("not a fabric tuning profile")
+        if doc.get("version") != PROFILE_VERSION:
+            raise ValueError(f"profile version {doc.get('version')!r} is not {PROFILE_VERSION}")
+        entry = doc.get("backends", {}).get(backend)
+        if entry is None:
+            return {}
+        opts = entry.get("options", {})
+        return {k: parse_value(k, v) for k, v in opts.items()}
+    except (OSError, ValueError, AttributeError, TypeError) as e:
+        warnings.warn(f"ignoring fabric tuning profile {path}: {e}; using defaults",
+                      RuntimeWarning, stacklevel=3)
+        return {}
+
+
+def write_profile(backend: str, options: dict, path: str | None = None, extra: dict | None = None) -> str:
+    """Store tuned options for backend, keeping other backends' entries."""
+    path = path if path is not None else profile_path()
+    if not path:
+        raise ValueError("FABRIC_PROFILE=none: no profile to write")
+    doc = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "backends": {}}
+    if os.path.exists(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                old = json.load(f)
+            if isinstance(old, dict) and old.get("format") == PROFILE_FORMAT:
+                doc["backends"] = dict(old.get("backends", {}))
+        except (OSError, ValueError):
+            pass
+    entry = {"options": {k: parse_value(k, v) for k, v in options.items()}}
+    entry.update(extra or {})
+    doc["backends"][backend] = entry
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=2, sort_keys=True)
+    os.replace(tmp, path)
+    return path
+
+
+def resolve(backend_name: str, backend_defaults: dict, overrides: dict) -> dict:
+    """Defaults < backend defaults < profile < environment < keyword arguments."""
+    opts = dict(COMMON_DEFAULTS)
+    opts.update(backend_defaults)
+    opts.update(read_profile(backend_name))
+    for name in KNOBS:
+        raw = os.environ.get(env_name(name))
+        if raw not in (None, ""):
+            opts[name] = raw
+    opts.update(overrides)
+    return {k: parse_value(k, v) for k, v in opts.items()}

@@ -1,0 +1,173 @@
+# Engine state, shared between engine.pyx sections. The engine sees backends
+# only through fabric.backends.interface (fab_channel / fab_listener).
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int64_t
+from cpython.buffer cimport Py_buffer
+from fabric._posix cimport pthread_mutex_t, pthread_cond_t
+from fabric.backends.interface cimport fab_channel, fab_listener, fab_mr, Backend
+
+cdef struct opts_t:
+    size_t eager_limit          # largest message sent eagerly
+    size_t chunk_size           # rendezvous chunk (pipelining unit)
+    uint32_t chunks_in_flight   # chunks announced / read ahead per message
+    size_t coalesce_limit       # largest fabric message (coalescing buffer)
+    uint32_t credits            # receive buffers offered to the peer
+    size_t recv_budget          # bytes of unreceived messages buffered per endpoint
+    uint32_t send_buffers       # coalescing buffers per endpoint
+    uint64_t max_message        # largest message accepted from a peer
+    double spin                 # seconds of busy polling before blocking
+    double handshake_timeout
+    double close_linger
+
+cdef struct slab_t:
+    slab_t* next
+    size_t used
+    uint64_t seq
+    uint8_t* data
+
+cdef struct seg_t:
+    char* ptr
+    size_t length
+
+cdef struct sendop_t:
+    sendop_t* next
+    uint64_t msg_id
+    int state
+    int err
+    int refs
+    int nseg
+    seg_t* segs
+    Py_buffer* views
+    int nviews
+    size_t total
+    # eager zero-copy header, kept until the backend completes the send
+    uint8_t hdr[24]
+    # rendezvous
+    uint32_t nchunks
+    uint32_t announced
+    uint32_t acked
+    int any_failed
+    uint64_t head_seq           # data slab holding the first announcement
+    int cur_seg                 # announcement cursor
+    size_t cur_off
+    size_t msg_off
+    fab_mr* window              # chunks_in_flight registrations, slot = index % window
+    uint32_t* window_index      # chunk index held by each slot, or UINT32_MAX
+    sendop_t* reap_next
+
+cdef struct desc_t:
+    desc_t* next
+    inmsg_t* msg
+    uint32_t index
+    int reading
+    uint64_t offset
+    uint64_t raddr
+    uint32_t length
+    uint32_t rkey_len
+    uint8_t* rkey
+
+cdef struct inmsg_t:
+    inmsg_t* next
+    inmsg_t* rnext
+    uint64_t msg_id
+    int rndv
+    int in_inq
+    int in_rndv
+    size_t total
+    char* data
+    int own_data
+    int bound
+    int failed
+    size_t charge
+    uint32_t next_index
+    uint64_t next_offset
+    desc_t* descs
+    int reads
+    size_t received
+    int dst_registered
+    fab_mr dst_mr
+
+cdef struct posted_t:
+    int active                  # a receive is waiting
+    int done                    # result ready: length or err
+    char* dst                   # user buffer (recv_into) or NULL (recv)
+    size_t cap
+    int err
+    size_t length
+    char* result                # recv(): malloc'd message handed to the caller
+    inmsg_t* msg                # bound message
+
+cdef struct node_t:
+    int kind                    # KIND_EP / KIND_LST
+    uint32_t slot
+    uint64_t key
+
+cdef struct ep_t:
+    node_t node
+    worker_t* w
+    fab_channel* ch
+    int state
+    int err
+    char error[200]
+    int peer_closed
+    int close_sent
+    uint32_t armed
+    lst_t* listener
+    ep_t* lst_next
+    double hs_deadline
+    # send side
+    uint64_t next_out_id
+    int peer_credits
+    uint32_t peer_max_recv
+    uint64_t peer_max_message
+    size_t slab_cap
+    size_t eager_limit
+    int pending_sends
+    int slabs_total
+    slab_t* free_slabs
+    slab_t* open_data
+    slab_t* ready_head
+    slab_t* ready_tail
+    slab_t* ctrl
+    slab_t* ctrl_ready_head
+    slab_t* ctrl_ready_tail
+    slab_t* inflight
+    int close_requested
+    int pull_ahead              # last receive was recv(): pull rendezvous messages early
+    uint8_t hello[56]
+    uint64_t seq_sealed
+    uint64_t seq_posted
+    sendop_t* sendq_head
+    sendop_t* sendq_tail
+    sendop_t* rndv_out
+    sendop_t* zc_out
+    # receive side
+    uint64_t next_in_id
+    inmsg_t* inq_head
+    inmsg_t* inq_tail
+    inmsg_t* rndv_in
+    size_t inbuf_bytes
+    uint32_t c2r
+    uint32_t held
+    posted_t posted
+
+cdef struct lst_t:
+    node_t node
+    worker_t* w
+    fab_listener* fl
+    ep_t* pending
+    ep_t* ready_head
+    ep_t* ready_tail
+    int npending
+    int closed
+
+cdef struct worker_t:
+    pthread_mutex_t lock
+    pthread_cond_t cond
+    int epfd
+    int polling
+    int waiters
+    node_t** slots
+    uint32_t* gens
+    uint32_t nslots
+    opts_t opts
+    sendop_t* reap

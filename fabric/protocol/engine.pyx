@@ -1,0 +1,2193 @@
+# cython: language_level=3
+"""The protocol engine: eager, coalescing, rendezvous with pipelined pulls,
+credits and ordering, over any backend of fabric.backends.interface.
+
+Everything below the Python classes at the end runs without the GIL under the
+worker's mutex. The rules that keep that safe:
+  * Engine code never takes the GIL while it holds the worker lock.
+  * Python buffers of a send stay referenced by its sendop_t until the op is
+    final; they are released (under the GIL, outside the lock) by whoever
+    drops the last reference, or by the reap list.
+  * A failed endpoint is only marked (ep_fail); its channel is closed and its
+    operations failed at a safe point (ep_settle), never in the middle of
+    parsing data that belongs to the channel.
+
+Data path of one message (see frame.pxd for the wire format):
+  size <= eager_limit  EAGER frame; sent straight from the caller's buffer
+                       when the fabric is free and the backend accepts any
+                       memory, else copied into a coalescing buffer (slab)
+                       together with other small frames.
+  size >  eager_limit  RNDV frames announce chunks of the caller's buffer
+                       (registered chunk by chunk, chunks_in_flight ahead);
+                       the receiver reads each chunk into the destination and
+                       answers CHUNK_DONE, which releases the chunk.
+"""
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int64_t
+from libc.stdlib cimport malloc, calloc, realloc, free
+from libc.string cimport memcpy, memset, strlen
+from posix.uio cimport iovec
+from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE,
+                             PyBUF_WRITABLE, PyBUF_ANY_CONTIGUOUS)
+from cpython.exc cimport PyErr_CheckSignals
+cimport cython
+
+from fabric._posix cimport *
+from fabric.backends.interface cimport *
+from fabric.protocol.frame cimport *
+
+import errno as _errno
+from fabric import errors as _errors
+
+cdef enum:
+    EP_HANDSHAKE = 1
+    EP_OPEN = 2
+    EP_FAILED = 3        # marked failed, not yet settled
+    EP_DEAD = 4          # channel closed, operations failed
+
+cdef enum:
+    OP_QUEUED = 1
+    OP_ZC = 2
+    OP_RNDV = 3
+    OP_DONE = 4
+    OP_FAILED = 5
+
+cdef enum:
+    TAG_SLAB = 1
+    TAG_OP = 2
+    TAG_DESC = 3
+    TAG_MASK = 3
+
+cdef enum:
+    KIND_EP = 1
+    KIND_LST = 2
+
+cdef enum:
+    ESHUTDOWN_ = 108     # closed, locally or by the peer's CLOSE
+    EACCES_ = 13         # the peer refused a read, or offered a bad region
+
+cdef enum:
+    CREDIT_RESERVE = 2      # credits kept for control frames
+    MAX_EVENTS = 32
+    MAX_PENDING_HANDSHAKES = 64
+    MAX_SEGMENTS_ZC = 62    # scatter entries sent zero-copy in one send
+    WAIT_SLICE_MS = 200     # blocking waits wake this often to check signals
+
+cdef uint32_t NO_CHUNK = 0xFFFFFFFFU
+
+
+# ===================================================================== utilities
+
+cdef inline void wlock(worker_t* w) noexcept nogil:
+    pthread_mutex_lock(&w.lock)
+
+cdef inline void wunlock(worker_t* w) noexcept nogil:
+    pthread_mutex_unlock(&w.lock)
+
+cdef inline int ep_usable(ep_t* ep) noexcept nogil:
+    return ep.state == EP_OPEN or ep.state == EP_HANDSHAKE
+
+cdef void ep_fail(ep_t* ep, int err, const char* why) noexcept nogil:
+    """Mark the endpoint failed (first reason wins); ep_settle finishes it."""
+    if ep.state == EP_FAILED or ep.state == EP_DEAD:
+        return
+    ep.state = EP_FAILED
+    ep.err = err
+    snprintf(ep.error, 200, "%s", why)
+
+cdef void ep_channel_failed(ep_t* ep) noexcept nogil:
+    cdef int err = ep.ch.failed if ep.ch.failed else ECONNRESET
+    if ep.peer_closed:
+        # The peer said goodbye; its closing the connection is expected.
+        ep_fail(ep, ESHUTDOWN_, "connection closed by peer")
+    elif err == EPROTO:
+        ep_fail(ep, EPROTO, ep.ch.error)
+    else:
+        ep_fail(ep, ECONNRESET, ep.ch.error)
+
+
+
+# ========================================================================= slabs
+
+cdef slab_t* slab_get(ep_t* ep, int control) noexcept nogil:
+    cdef slab_t* s = ep.free_slabs
+    if s != NULL:
+        ep.free_slabs = s.next
+    else:
+        if not control and <uint32_t>ep.slabs_total >= ep.w.opts.send_buffers:
+            return NULL
+        s = <slab_t*>malloc(sizeof(slab_t) + ep.slab_cap)
+        if s == NULL:
+            return NULL
+        s.data = <uint8_t*>(<char*>s + sizeof(slab_t))
+        ep.slabs_total += 1
+    s.next = NULL
+    s.used = 0
+    s.seq = 0
+    return s
+
+cdef inline void slab_put(ep_t* ep, slab_t* s) noexcept nogil:
+    s.next = ep.free_slabs
+    ep.free_slabs = s
+
+cdef void free_slab_list(slab_t* s) noexcept nogil:
+    cdef slab_t* n
+    while s != NULL:
+        n = s.next
+        free(s)
+        s = n
+
+cdef uint8_t* ctrl_room(ep_t* ep, size_t need) noexcept nogil:
+    """Space for a control frame; control frames never wait for slabs."""
+    cdef slab_t* s = ep.ctrl
+    if s != NULL and s.used + need > ep.slab_cap:
+        s.next = NULL
+        if ep.ctrl_ready_tail == NULL:
+            ep.ctrl_ready_head = s
+        else:
+            ep.ctrl_ready_tail.next = s
+        ep.ctrl_ready_tail = s
+        s = NULL
+        ep.ctrl = NULL
+    if s == NULL:
+        s = slab_get(ep, 1)
+        if s == NULL:
+            ep_fail(ep, ENOMEM, "out of memory for control frames")
+            return NULL
+        ep.ctrl = s
+    s.used += need
+    return s.data + s.used - need
+
+cdef void seal_data(ep_t* ep) noexcept nogil:
+    cdef slab_t* s = ep.open_data
+    ep.open_data = NULL
+    s.next = NULL
+    if ep.ready_tail == NULL:
+        ep.ready_head = s
+    else:
+        ep.ready_tail.next = s
+    ep.ready_tail = s
+
+cdef uint8_t* data_room(ep_t* ep, size_t need) noexcept nogil:
+    """Space in the open data slab, or NULL when every slab is in use."""
+    if ep.open_data != NULL and ep.open_data.used + need > ep.slab_cap:
+        seal_data(ep)
+    if ep.open_data == NULL:
+        ep.open_data = slab_get(ep, 0)
+        if ep.open_data == NULL:
+            return NULL
+        ep.seq_sealed += 1
+        ep.open_data.seq = ep.seq_sealed
+    ep.open_data.used += need
+    return ep.open_data.data + ep.open_data.used - need
+
+
+# ============================================================== send operations
+
+cdef void reap_push(worker_t* w, sendop_t* op) noexcept nogil:
+    op.reap_next = w.reap
+    w.reap = op
+
+cdef void op_free(sendop_t* op) noexcept nogil:
+    free(op.window)
+    free(op.window_index)
+    free(op)
+
+cdef void op_finish(ep_t* ep, sendop_t* op, int err) noexcept nogil:
+    """The engine is done with op: final state, drop the engine's reference."""
+    op.state = OP_FAILED if err else OP_DONE
+    op.err = err
+    op.refs -= 1
+    if op.refs == 0:
+        if op.nviews:
+            reap_push(ep.w, op)
+        else:
+            op_free(op)
+
+cdef inline uint16_t take_credits(ep_t* ep) noexcept nogil:
+    cdef uint32_t c = ep.c2r
+    if c > 0xFFFF:
+        c = 0xFFFF
+    ep.c2r -= c
+    return <uint16_t>c
+
+cdef int post_slab(ep_t* ep, slab_t* s) noexcept nogil:
+    cdef iovec v
+    cdef int rc
+    set_credits(s.data, take_credits(ep))
+    v.iov_base = s.data
+    v.iov_len = s.used
+    ep.peer_credits -= 1
+    rc = ep.ch.ops.send(ep.ch, &v, 1, <uint64_t><size_t>s | TAG_SLAB)
+    if rc == FAB_DONE:
+        slab_put(ep, s)
+        return 0
+    if rc == FAB_PENDING:
+        s.next = ep.inflight
+        ep.inflight = s
+        ep.pending_sends += 1
+        return 0
+    slab_put(ep, s)
+    ep_channel_failed(ep)
+    return -1
+
+cdef int post_zero_copy(ep_t* ep, sendop_t* op) noexcept nogil:
+    """EAGER frame straight from the caller's buffers: header + payload in
+    one scatter-gather send, no copy."""
+    cdef iovec v[MAX_SEGMENTS_ZC + 1]
+    cdef int i, n = 1, rc
+    put_header(op.hdr, F_EAGER, 0, <uint32_t>op.total, op.msg_id, 0, take_credits(ep))
+    v[0].iov_base = op.hdr
+    v[0].iov_len = FRAME_HEADER
+    for i in range(op.nseg):
+        if op.segs[i].length:
+            v[n].iov_base = op.segs[i].ptr
+            v[n].iov_len = op.segs[i].length
+            n += 1
+    ep.peer_credits -= 1
+    rc = ep.ch.ops.send(ep.ch, v, n, <uint64_t><size_t>op | TAG_OP)
+    if rc == FAB_DONE:
+        op_finish(ep, op, 0)
+        return 0
+    if rc == FAB_PENDING:
+        op.state = OP_ZC
+        op.next = ep.zc_out
+        ep.zc_out = op
+        ep.pending_sends += 1
+        return 0
+    op_finish(ep, op, ECONNRESET)
+    ep_channel_failed(ep)
+    return -1
+
+cdef inline int can_post_data(ep_t* ep) noexcept nogil:
+    return ep.pending_sends < ep.ch.send_depth and ep.peer_credits > CREDIT_RESERVE
+
+cdef void next_chunk(ep_t* ep, sendop_t* op, char** ptr, size_t* length) noexcept nogil:
+    """The next chunk to announce: at most chunk_size, never across segments."""
+    cdef size_t n
+    while op.segs[op.cur_seg].length == op.cur_off:
+        op.cur_seg += 1
+        op.cur_off = 0
+    n = op.segs[op.cur_seg].length - op.cur_off
+    if n > ep.w.opts.chunk_size:
+        n = ep.w.opts.chunk_size
+    ptr[0] = op.segs[op.cur_seg].ptr + op.cur_off
+    length[0] = n
+
+cdef int announce_chunk(ep_t* ep, sendop_t* op, int first) noexcept nogil:
+    """Register the next chunk and write its RNDV frame: the first one into the
+    data path (it orders the message), later ones as control frames."""
+    cdef char* ptr
+    cdef size_t length
+    cdef uint32_t slot = op.announced % ep.w.opts.chunks_in_flight
+    cdef fab_mr* mr = &op.window[slot]
+    cdef uint8_t* room
+    cdef int rc
+    next_chunk(ep, op, &ptr, &length)
+    rc = ep.ch.ops.reg(ep.ch, ptr, length, mr)
+    if rc < 0:
+        if ep.ch.failed:
+            ep_channel_failed(ep)
+        else:
+            ep_fail(ep, -rc, "memory registration failed")
+        return -1
+    if first:
+        room = data_room(ep, FRAME_HEADER + RNDV_FIXED + mr.rkey_len)
+        if room == NULL:
+            ep.ch.ops.dereg(ep.ch, mr)
+            return 1
+        op.head_seq = ep.open_data.seq
+    else:
+        room = ctrl_room(ep, FRAME_HEADER + RNDV_FIXED + mr.rkey_len)
+        if room == NULL:
+            ep.ch.ops.dereg(ep.ch, mr)
+            return -1
+    put_rndv(room, op.msg_id, op.announced, op.total, op.msg_off, mr.addr,
+             <uint32_t>length, mr.rkey, mr.rkey_len)
+    op.window_index[slot] = op.announced
+    op.announced += 1
+    op.cur_off += length
+    op.msg_off += length
+    return 0
+
+cdef int announce_more(ep_t* ep, sendop_t* op) noexcept nogil:
+    """Keep chunks_in_flight chunks announced once the first one is posted."""
+    cdef int made = 0
+    if op.head_seq > ep.seq_posted:
+        return 0
+    while op.announced < op.nchunks:
+        if op.window_index[op.announced % ep.w.opts.chunks_in_flight] != NO_CHUNK:
+            break
+        if announce_chunk(ep, op, 0) != 0:
+            return -1
+        made = 1
+    return made
+
+cdef int start_rndv(ep_t* ep, sendop_t* op) noexcept nogil:
+    """Announce the first chunk. -1 failed, 0 started, 1 no slab free yet,
+    2 too many chunks."""
+    cdef uint32_t w = ep.w.opts.chunks_in_flight
+    cdef uint32_t i
+    cdef uint64_t nchunks = 0
+    cdef int rc
+    for i in range(<uint32_t>op.nseg):
+        nchunks += (op.segs[i].length + ep.w.opts.chunk_size - 1) // ep.w.opts.chunk_size
+    if nchunks > 0xFFFFFFF0U:
+        return 2
+    if op.window == NULL:
+        op.window = <fab_mr*>calloc(w, sizeof(fab_mr))
+        op.window_index = <uint32_t*>malloc(w * sizeof(uint32_t))
+        if op.window == NULL or op.window_index == NULL:
+            ep_fail(ep, ENOMEM, "out of memory")
+            return -1
+        for i in range(w):
+            op.window_index[i] = NO_CHUNK
+    op.nchunks = <uint32_t>nchunks
+    return announce_chunk(ep, op, 1)
+
+cdef int frame_queue(ep_t* ep) noexcept nogil:
+    """Turn queued messages into frames, in order. Returns -1 on failure."""
+    cdef sendop_t* op
+    cdef uint8_t* room
+    cdef size_t off
+    cdef int i, rc, direct
+    while ep.sendq_head != NULL:
+        op = ep.sendq_head
+        if op.total <= ep.eager_limit:
+            direct = ((ep.ch.caps & FAB_CAP_SEND_ANY_MEMORY) and ep.ready_head == NULL
+                      and (ep.open_data == NULL or ep.open_data.used == 0)
+                      and op.nseg <= MAX_SEGMENTS_ZC and can_post_data(ep))
+            ep.sendq_head = op.next
+            if ep.sendq_head == NULL:
+                ep.sendq_tail = NULL
+            if direct:
+                if post_zero_copy(ep, op) < 0:
+                    return -1
+                continue
+            room = data_room(ep, FRAME_HEADER + op.total)
+            if room == NULL:
+                # every slab is in use: put it back, wait for completions
+                op.next = ep.sendq_head
+                ep.sendq_head = op
+                if ep.sendq_tail == NULL:
+                    ep.sendq_tail = op
+                return 0
+            put_header(room, F_EAGER, 0, <uint32_t>op.total, op.msg_id, 0, 0)
+            off = FRAME_HEADER
+            for i in range(op.nseg):
+                memcpy(room + off, op.segs[i].ptr, op.segs[i].length)
+                off += op.segs[i].length
+            op_finish(ep, op, 0)
+        else:
+            rc = start_rndv(ep, op)
+            if rc < 0:
+                return -1
+            if rc == 1:
+                return 0
+            ep.sendq_head = op.next
+            if ep.sendq_head == NULL:
+                ep.sendq_tail = NULL
+            if rc == 2:
+                op_finish(ep, op, EMSGSIZE)
+                continue
+            op.state = OP_RNDV
+            op.next = ep.rndv_out
+            ep.rndv_out = op
+    if ep.close_requested and not ep.close_sent and ep.state == EP_OPEN:
+        room = data_room(ep, FRAME_HEADER)
+        if room != NULL:
+            put_header(room, F_CLOSE, 0, 0, 0, 0, 0)
+            ep.close_sent = 1
+    return 0
+
+cdef int ep_flush(ep_t* ep) noexcept nogil:
+    """Frame what is queued and post what credits and the backend allow:
+    control frames first (they may use the reserved credits), then data."""
+    cdef slab_t* s
+    cdef sendop_t* op
+    cdef int more, rc
+    cdef uint32_t threshold
+    if ep.state != EP_OPEN:
+        return 0
+    if frame_queue(ep) < 0:
+        return -1
+    while True:
+        more = 0
+        if ep.pending_sends < ep.ch.send_depth and ep.peer_credits > 0:
+            s = NULL
+            if ep.ctrl_ready_head != NULL:
+                s = ep.ctrl_ready_head
+                ep.ctrl_ready_head = s.next
+                if ep.ctrl_ready_head == NULL:
+                    ep.ctrl_ready_tail = NULL
+            elif ep.ctrl != NULL and ep.ctrl.used > 0:
+                s = ep.ctrl
+                ep.ctrl = NULL
+            if s != NULL:
+                if post_slab(ep, s) < 0:
+                    return -1
+                continue
+        if can_post_data(ep):
+            s = NULL
+            if ep.ready_head != NULL:
+                s = ep.ready_head
+                ep.ready_head = s.next
+                if ep.ready_head == NULL:
+                    ep.ready_tail = NULL
+            elif ep.open_data != NULL and ep.open_data.used > 0:
+                s = ep.open_data
+                ep.open_data = NULL
+            if s != NULL:
+                ep.seq_posted = s.seq
+                if post_slab(ep, s) < 0:
+                    return -1
+                # slabs freed: queued messages may fit now
+                if frame_queue(ep) < 0:
+                    return -1
+                more = 1
+        # rendezvous whose first announcement went out may announce more
+        op = ep.rndv_out
+        while op != NULL:
+            if op.announced < op.nchunks:
+                rc = announce_more(ep, op)
+                if rc < 0:
+                    return -1
+                more |= rc
+            op = op.next
+        if (not more and ep.ctrl == NULL and ep.ctrl_ready_head == NULL
+                and ep.pending_sends < ep.ch.send_depth and ep.peer_credits > 0):
+            threshold = ep.w.opts.credits // 4
+            if threshold < 1:
+                threshold = 1
+            if ep.c2r >= threshold:
+                # Nothing to piggyback on: return credits explicitly.
+                put_header(ctrl_room(ep, FRAME_HEADER), F_CREDIT, 0, 0, 0, 0, 0)
+                more = 1
+        if not more:
+            break
+    return 0
+
+cdef void ep_submit(ep_t* ep, sendop_t* op) noexcept nogil:
+    """Queue a message (in order) and push out what can go now."""
+    if ep.state != EP_OPEN or ep.close_requested or ep.peer_closed:
+        op_finish(ep, op, ESHUTDOWN_ if (ep.close_requested or ep.peer_closed or ep.err == ESHUTDOWN_)
+                  else (ep.err if ep.err else ECONNRESET))
+        return
+    ep.next_out_id += 1
+    op.msg_id = ep.next_out_id
+    op.state = OP_QUEUED
+    op.next = NULL
+    if ep.sendq_tail == NULL:
+        ep.sendq_head = op
+    else:
+        ep.sendq_tail.next = op
+    ep.sendq_tail = op
+    ep_flush(ep)
+
+
+# =========================================================== receive operations
+
+cdef void release_budget(ep_t* ep, size_t charge) noexcept nogil:
+    ep.inbuf_bytes -= charge
+    if ep.held and ep.inbuf_bytes <= ep.w.opts.recv_budget:
+        ep.c2r += ep.held
+        ep.held = 0
+
+cdef void inmsg_maybe_free(inmsg_t* m) noexcept nogil:
+    cdef desc_t* d
+    if m.in_inq or m.in_rndv:
+        return
+    while m.descs != NULL:
+        d = m.descs
+        m.descs = d.next
+        free(d)
+    if m.own_data:
+        free(m.data)
+    free(m)
+
+cdef void inq_append(ep_t* ep, inmsg_t* m) noexcept nogil:
+    m.next = NULL
+    m.in_inq = 1
+    if ep.inq_tail == NULL:
+        ep.inq_head = m
+    else:
+        ep.inq_tail.next = m
+    ep.inq_tail = m
+
+cdef void inq_pop(ep_t* ep) noexcept nogil:
+    cdef inmsg_t* m = ep.inq_head
+    ep.inq_head = m.next
+    if ep.inq_head == NULL:
+        ep.inq_tail = NULL
+    m.in_inq = 0
+    release_budget(ep, m.charge)
+    m.charge = 0
+    inmsg_maybe_free(m)
+
+cdef void rndv_unlink(ep_t* ep, inmsg_t* m) noexcept nogil:
+    cdef inmsg_t** p = &ep.rndv_in
+    while p[0] != NULL:
+        if p[0] == m:
+            p[0] = m.rnext
+            break
+        p = &p[0].rnext
+    m.in_rndv = 0
+
+cdef void chunk_done(ep_t* ep, uint64_t msg_id, uint32_t index, int failed) noexcept nogil:
+    cdef uint8_t* room = ctrl_room(ep, FRAME_HEADER)
+    if room != NULL:
+        put_header(room, F_CHUNK_DONE, DONE_FAILED if failed else 0, 0, msg_id, index, 0)
+
+cdef void rndv_check(ep_t* ep, inmsg_t* m) noexcept nogil:
+    """A rendezvous message leaves the in-progress list when every chunk was
+    announced and answered."""
+    cdef desc_t* d
+    if m.failed:
+        # answer the announced chunks nobody will read
+        while m.descs != NULL and not m.descs.reading:
+            d = m.descs
+            m.descs = d.next
+            chunk_done(ep, m.msg_id, d.index, 1)
+            release_budget(ep, sizeof(desc_t) + d.rkey_len)
+            m.charge -= sizeof(desc_t) + d.rkey_len
+            free(d)
+    if m.in_rndv and m.next_offset == m.total and m.descs == NULL and m.reads == 0:
+        rndv_unlink(ep, m)
+        inmsg_maybe_free(m)
+
+cdef int issue_reads(ep_t* ep, inmsg_t* m) noexcept nogil:
+    cdef desc_t* d = m.descs
+    cdef int rc
+    cdef fab_mr* dst_mr = NULL
+    if not (ep.ch.caps & FAB_CAP_READ_ANY_MEMORY):
+        if not m.dst_registered:
+            rc = ep.ch.ops.reg(ep.ch, m.data, m.total, &m.dst_mr)
+            if rc < 0:
+                ep_fail(ep, -rc, "registering the receive buffer failed")
+                return -1
+            m.dst_registered = 1
+        dst_mr = &m.dst_mr
+    while d != NULL and <uint32_t>m.reads < ep.w.opts.chunks_in_flight:
+        if not d.reading:
+            rc = ep.ch.ops.read(ep.ch, m.data + d.offset, dst_mr, d.length, d.raddr,
+                                d.rkey, d.rkey_len, <uint64_t><size_t>d | TAG_DESC)
+            if rc < 0:
+                if rc == -EINVAL and not ep.ch.failed:
+                    # the peer offered a key this fabric cannot use
+                    m.failed = 1
+                    d.reading = 1
+                    m.reads += 1
+                    on_read_done(ep, d, -EACCES_)
+                    return 0
+                ep_channel_failed(ep)
+                return -1
+            d.reading = 1
+            m.reads += 1
+        d = d.next
+    return 0
+
+cdef void on_read_done(ep_t* ep, desc_t* d, int status) noexcept nogil:
+    cdef inmsg_t* m = d.msg
+    cdef desc_t** p = &m.descs
+    d.reading = 0
+    m.reads -= 1
+    while p[0] != NULL:
+        if p[0] == d:
+            p[0] = d.next
+            break
+        p = &p[0].next
+    if status < 0:
+        m.failed = 1
+    else:
+        m.received += d.length
+    chunk_done(ep, m.msg_id, d.index, status < 0)
+    release_budget(ep, sizeof(desc_t) + d.rkey_len)
+    m.charge -= sizeof(desc_t) + d.rkey_len
+    free(d)
+    if m.dst_registered and m.reads == 0 and (m.failed or m.received == m.total):
+        ep.ch.ops.dereg(ep.ch, &m.dst_mr)
+        m.dst_registered = 0
+    if not m.failed and m.bound:
+        issue_reads(ep, m)
+    rndv_check(ep, m)
+
+cdef int bind_rndv(ep_t* ep, inmsg_t* m, char* dst) noexcept nogil:
+    """Give a rendezvous message its destination and start pulling."""
+    if dst == NULL:
+        dst = <char*>malloc(m.total)
+        if dst == NULL:
+            return -ENOMEM
+        m.own_data = 1
+    m.data = dst
+    m.bound = 1
+    if not m.failed:
+        return issue_reads(ep, m)
+    return 0
+
+cdef void ep_deliver(ep_t* ep) noexcept nogil:
+    """Match the head message to the posted receive, in order."""
+    cdef posted_t* p = &ep.posted
+    cdef inmsg_t* m = ep.inq_head
+    cdef int rc
+    if not p.active or p.done:
+        return
+    if p.msg == NULL:
+        if m == NULL:
+            if ep.state == EP_DEAD or ep.state == EP_FAILED or ep.peer_closed:
+                p.done = 1
+                p.err = ESHUTDOWN_ if (ep.peer_closed or ep.err == ESHUTDOWN_) else (ep.err or ECONNRESET)
+            return
+        if p.dst != NULL and m.total > p.cap:
+            p.done = 1
+            p.err = EMSGSIZE
+            p.length = m.total
+            return
+        if not m.rndv:
+            p.length = m.total
+            if p.dst != NULL:
+                memcpy(p.dst, m.data, m.total)
+            else:
+                p.result = m.data
+                m.own_data = 0
+            p.done = 1
+            inq_pop(ep)
+            return
+        if m.failed:
+            p.done = 1
+            p.err = EACCES_
+            inq_pop(ep)
+            return
+        if not m.bound:
+            rc = bind_rndv(ep, m, p.dst)
+            if rc < 0:
+                p.done = 1
+                p.err = -rc
+                return
+        p.msg = m
+    m = p.msg
+    if m.failed:
+        p.done = 1
+        p.err = EACCES_
+        p.msg = NULL
+        inq_pop(ep)
+    elif m.received == m.total:
+        p.length = m.total
+        if p.dst == NULL:
+            p.result = m.data
+            m.own_data = 0
+        elif m.data != p.dst:
+            memcpy(p.dst, m.data, m.total)   # pulled ahead before recv_into was posted
+        p.done = 1
+        p.msg = NULL
+        inq_pop(ep)
+    elif ep.state == EP_DEAD or ep.state == EP_FAILED:
+        p.done = 1
+        p.err = ep.err or ECONNRESET
+        p.msg = NULL
+
+cdef void ep_post(ep_t* ep, char* dst, size_t cap) noexcept nogil:
+    """Post the endpoint's one receive: dst/cap for recv_into, NULL for recv."""
+    cdef posted_t* p = &ep.posted
+    memset(p, 0, sizeof(posted_t))
+    p.active = 1
+    p.dst = dst
+    p.cap = cap
+    ep.pull_ahead = dst == NULL
+    ep_deliver(ep)
+    if not p.done and ep.state == EP_OPEN:
+        progress_ep(ep)
+
+cdef void pull_ahead(ep_t* ep) noexcept nogil:
+    """Start pulling the next rendezvous message into memory of our own when
+    nobody has posted a receive yet (bounded by recv_budget): it keeps two
+    peers that both send large messages from waiting on each other, and
+    overlaps the transfer with the application's work after recv()."""
+    cdef inmsg_t* m = ep.inq_head
+    while m != NULL:
+        if m.rndv and not m.bound and not m.failed:
+            if ep.inbuf_bytes + m.total > ep.w.opts.recv_budget:
+                return
+            if bind_rndv(ep, m, NULL) < 0:
+                return
+            ep.inbuf_bytes += m.total
+            m.charge += m.total
+            return
+        if m.rndv and m.received < m.total:
+            return      # one message pulled ahead at a time
+        m = m.next
+
+cdef int on_eager(ep_t* ep, frame_t* f) noexcept nogil:
+    cdef posted_t* p = &ep.posted
+    cdef inmsg_t* m
+    if f.msg_id != ep.next_in_id:
+        ep_fail(ep, EPROTO, "peer sent a message out of sequence")
+        return -1
+    ep.next_in_id += 1
+    if (p.active and not p.done and p.msg == NULL and p.dst != NULL
+            and ep.inq_head == NULL and f.body_length <= p.cap):
+        memcpy(p.dst, f.body, f.body_length)     # straight into recv_into's buffer
+        p.length = f.body_length
+        p.done = 1
+        return 0
+    m = <inmsg_t*>calloc(1, sizeof(inmsg_t))
+    if m == NULL:
+        ep_fail(ep, ENOMEM, "out of memory")
+        return -1
+    m.msg_id = f.msg_id
+    m.total = f.body_length
+    m.data = <char*>malloc(f.body_length if f.body_length else 1)
+    if m.data == NULL:
+        free(m)
+        ep_fail(ep, ENOMEM, "out of memory")
+        return -1
+    memcpy(m.data, f.body, f.body_length)
+    m.own_data = 1
+    m.received = m.total
+    m.charge = f.body_length + sizeof(inmsg_t)
+    ep.inbuf_bytes += m.charge
+    inq_append(ep, m)
+    return 0
+
+cdef int on_rndv(ep_t* ep, frame_t* f) noexcept nogil:
+    cdef inmsg_t* m
+    cdef desc_t* d
+    cdef desc_t** tail
+    cdef size_t size
+    if f.aux == 0:
+        if f.msg_id != ep.next_in_id:
+            ep_fail(ep, EPROTO, "peer sent a message out of sequence")
+            return -1
+        if f.offset != 0:
+            ep_fail(ep, EPROTO, "peer's first chunk does not start at offset 0")
+            return -1
+        if f.total > ep.w.opts.max_message:
+            ep_fail(ep, EPROTO, "peer announced a message larger than max_message")
+            return -1
+        ep.next_in_id += 1
+        m = <inmsg_t*>calloc(1, sizeof(inmsg_t))
+        if m == NULL:
+            ep_fail(ep, ENOMEM, "out of memory")
+            return -1
+        m.msg_id = f.msg_id
+        m.rndv = 1
+        m.total = f.total
+        m.charge = sizeof(inmsg_t)
+        ep.inbuf_bytes += m.charge
+        inq_append(ep, m)
+        m.in_rndv = 1
+        m.rnext = ep.rndv_in
+        ep.rndv_in = m
+    else:
+        m = ep.rndv_in
+        while m != NULL and m.msg_id != f.msg_id:
+            m = m.rnext
+        if m == NULL or f.total != m.total or f.aux != m.next_index or f.offset != m.next_offset:
+            ep_fail(ep, EPROTO, "peer announced a chunk out of order")
+            return -1
+    m.next_index += 1
+    m.next_offset += f.length
+    if m.failed:
+        chunk_done(ep, m.msg_id, f.aux, 1)
+        rndv_check(ep, m)
+        return 0
+    size = sizeof(desc_t) + f.rkey_len
+    d = <desc_t*>malloc(size)
+    if d == NULL:
+        ep_fail(ep, ENOMEM, "out of memory")
+        return -1
+    d.next = NULL
+    d.msg = m
+    d.index = f.aux
+    d.reading = 0
+    d.offset = f.offset
+    d.raddr = f.raddr
+    d.length = f.length
+    d.rkey_len = f.rkey_len
+    d.rkey = <uint8_t*>(<char*>d + sizeof(desc_t))
+    memcpy(d.rkey, f.rkey, f.rkey_len)
+    tail = &m.descs
+    while tail[0] != NULL:
+        tail = &tail[0].next
+    tail[0] = d
+    m.charge += size
+    ep.inbuf_bytes += size
+    if m.bound:
+        return issue_reads(ep, m)
+    return 0
+
+cdef int on_chunk_done(ep_t* ep, frame_t* f) noexcept nogil:
+    cdef sendop_t** p = &ep.rndv_out
+    cdef sendop_t* op
+    cdef uint32_t slot
+    while p[0] != NULL and p[0].msg_id != f.msg_id:
+        p = &p[0].next
+    op = p[0]
+    if op == NULL:
+        ep_fail(ep, EPROTO, "peer acknowledged a chunk of an unknown message")
+        return -1
+    slot = f.aux % ep.w.opts.chunks_in_flight
+    if f.aux >= op.announced or op.window_index[slot] != f.aux:
+        ep_fail(ep, EPROTO, "peer acknowledged a chunk that is not in flight")
+        return -1
+    ep.ch.ops.dereg(ep.ch, &op.window[slot])
+    op.window_index[slot] = NO_CHUNK
+    op.acked += 1
+    if f.flags & DONE_FAILED:
+        op.any_failed = 1
+    if op.acked == op.nchunks:
+        p[0] = op.next
+        op_finish(ep, op, EACCES_ if op.any_failed else 0)
+        return 0
+    if announce_more(ep, op) < 0:
+        return -1
+    return 0
+
+cdef int on_hello(ep_t* ep, frame_t* f) noexcept nogil:
+    cdef size_t cap
+    if ep.state != EP_HANDSHAKE:
+        ep_fail(ep, EPROTO, "peer repeated its HELLO")
+        return -1
+    if f.hello_max_recv < 1024 or f.hello_credits < CREDIT_RESERVE + 1:
+        ep_fail(ep, EPROTO, "peer offers too little receive space")
+        return -1
+    if f.hello_credits > 65536:
+        ep_fail(ep, EPROTO, "peer offers an implausible number of credits")
+        return -1
+    ep.peer_credits = <int>f.hello_credits
+    ep.peer_max_recv = f.hello_max_recv
+    ep.peer_max_message = f.hello_max_message
+    cap = ep.w.opts.coalesce_limit
+    if cap < ep.w.opts.eager_limit + FRAME_HEADER:
+        cap = ep.w.opts.eager_limit + FRAME_HEADER
+    if cap > f.hello_max_recv:
+        cap = f.hello_max_recv
+    if cap < 1024:
+        cap = 1024
+    ep.slab_cap = cap
+    ep.eager_limit = ep.w.opts.eager_limit
+    if ep.eager_limit > cap - FRAME_HEADER:
+        ep.eager_limit = cap - FRAME_HEADER
+    ep.state = EP_OPEN
+    return 0
+
+cdef int on_fabric_msg(ep_t* ep, const uint8_t* data, size_t length) noexcept nogil:
+    """Handle every frame of one received fabric message."""
+    cdef size_t pos = 0
+    cdef int used, counts = 1
+    cdef frame_t f
+    cdef const char* error = NULL
+    while pos < length:
+        used = parse_frame(data + pos, length - pos, &f, &error)
+        if used < 0:
+            ep_fail(ep, EPROTO, error)
+            return -1
+        pos += <size_t>used
+        ep.peer_credits += <int>f.credits
+        if ep.peer_credits > 1 << 20:
+            ep_fail(ep, EPROTO, "peer returned more credits than it was given")
+            return -1
+        if f.type == F_HELLO:
+            counts = 0        # HELLO arrives before any credit was granted
+            if on_hello(ep, &f) < 0:
+                return -1
+            continue
+        if ep.state == EP_HANDSHAKE:
+            ep_fail(ep, EPROTO, "peer sent frames before its HELLO")
+            return -1
+        if ep.peer_closed and f.type != F_CREDIT and f.type != F_CHUNK_DONE:
+            ep_fail(ep, EPROTO, "peer sent frames after CLOSE")
+            return -1
+        if f.type == F_EAGER:
+            if on_eager(ep, &f) < 0:
+                return -1
+        elif f.type == F_RNDV:
+            if on_rndv(ep, &f) < 0:
+                return -1
+        elif f.type == F_CHUNK_DONE:
+            if on_chunk_done(ep, &f) < 0:
+                return -1
+        elif f.type == F_CLOSE:
+            on_peer_close(ep)
+    if counts:
+        if ep.inbuf_bytes > ep.w.opts.recv_budget:
+            ep.held += 1      # bound the peer: its credit comes back when the app receives
+        else:
+            ep.c2r += 1
+    return 0
+
+cdef void fail_op_list(ep_t* ep, sendop_t* op, int err) noexcept nogil:
+    cdef sendop_t* n
+    while op != NULL:
+        n = op.next
+        op_finish(ep, op, err)
+        op = n
+
+cdef void on_peer_close(ep_t* ep) noexcept nogil:
+    """The peer will receive nothing more: what we still want to send fails,
+    and we answer with our own CLOSE so its close() need not linger."""
+    ep.peer_closed = 1
+    fail_op_list(ep, ep.sendq_head, ESHUTDOWN_)
+    ep.sendq_head = NULL
+    ep.sendq_tail = NULL
+    ep.close_requested = 1
+
+
+# ==================================================================== progress
+
+cdef void ep_settle(ep_t* ep) noexcept nogil:
+    """Finish a failed endpoint: close the channel (the backend then touches no
+    memory of ours), fail every operation, keep complete received messages."""
+    cdef slab_t* s
+    cdef inmsg_t* m
+    cdef inmsg_t* prev
+    cdef inmsg_t* n
+    cdef desc_t* d
+    cdef sendop_t* op
+    cdef int err
+    if ep.state != EP_FAILED:
+        return
+    ep.state = EP_DEAD
+    err = ep.err
+    if ep.ch != NULL:
+        if ep.ch.fd >= 0:
+            epoll_ctl(ep.w.epfd, EPOLL_CTL_DEL, ep.ch.fd, NULL)
+        ep.ch.ops.close(ep.ch)   # releases every registration too
+        ep.ch = NULL
+    free_slab_list(ep.free_slabs)
+    free_slab_list(ep.open_data)
+    free_slab_list(ep.ready_head)
+    free_slab_list(ep.ctrl)
+    free_slab_list(ep.ctrl_ready_head)
+    free_slab_list(ep.inflight)
+    ep.free_slabs = ep.open_data = ep.ready_head = ep.ready_tail = NULL
+    ep.ctrl = ep.ctrl_ready_head = ep.ctrl_ready_tail = ep.inflight = NULL
+    fail_op_list(ep, ep.sendq_head, err)
+    fail_op_list(ep, ep.zc_out, err)
+    fail_op_list(ep, ep.rndv_out, err)
+    ep.sendq_head = ep.sendq_tail = ep.zc_out = ep.rndv_out = NULL
+    # Incomplete rendezvous messages are lost with the connection; complete
+    # messages before the first incomplete one stay receivable, in order.
+    while ep.rndv_in != NULL:
+        m = ep.rndv_in
+        ep.rndv_in = m.rnext
+        m.in_rndv = 0
+        while m.descs != NULL:
+            d = m.descs
+            m.descs = d.next
+            free(d)
+        m.reads = 0
+        m.dst_registered = 0
+    if ep.posted.msg != NULL and ep.posted.msg.received < ep.posted.msg.total:
+        ep.posted.msg = NULL
+        ep.posted.done = 1
+        ep.posted.err = err
+    prev = NULL
+    m = ep.inq_head
+    while m != NULL and not (m.rndv and m.received < m.total):
+        prev = m
+        m = m.next
+    if m != NULL:
+        if prev == NULL:
+            ep.inq_head = NULL
+        else:
+            prev.next = NULL
+        ep.inq_tail = prev
+        while m != NULL:
+            n = m.next
+            m.in_inq = 0
+            ep.inbuf_bytes -= m.charge
+            inmsg_maybe_free(m)
+            m = n
+    ep_deliver(ep)
+
+cdef void progress_ep(ep_t* ep) noexcept nogil:
+    """Non-blocking progress of one endpoint."""
+    cdef fab_completion ev[MAX_EVENTS]
+    cdef int n, i, k
+    cdef uint64_t tag
+    cdef void* obj
+    cdef slab_t** sp
+    cdef sendop_t** op_p
+    if ep.state == EP_OPEN or ep.state == EP_HANDSHAKE:
+        for k in range(8):    # bounded, so one busy endpoint cannot starve others
+            n = ep.ch.ops.poll(ep.ch, ev, MAX_EVENTS)
+            for i in range(n):
+                if ep.state != EP_OPEN and ep.state != EP_HANDSHAKE:
+                    break
+                if ev[i].kind == FAB_EV_RECV:
+                    on_fabric_msg(ep, <uint8_t*>ev[i].data, ev[i].length)
+                elif ev[i].kind == FAB_EV_SEND:
+                    tag = ev[i].ctx & TAG_MASK
+                    obj = <void*><size_t>(ev[i].ctx & ~<uint64_t>TAG_MASK)
+                    if ev[i].ctx == 0:
+                        ep.pending_sends -= 1
+                    elif tag == TAG_SLAB:
+                        sp = &ep.inflight
+                        while sp[0] != NULL and sp[0] != <slab_t*>obj:
+                            sp = &sp[0].next
+                        if sp[0] != NULL:
+                            sp[0] = (<slab_t*>obj).next
+                            slab_put(ep, <slab_t*>obj)
+                        ep.pending_sends -= 1
+                    elif tag == TAG_OP:
+                        op_p = &ep.zc_out
+                        while op_p[0] != NULL and op_p[0] != <sendop_t*>obj:
+                            op_p = &op_p[0].next
+                        if op_p[0] != NULL:
+                            op_p[0] = (<sendop_t*>obj).next
+                            op_finish(ep, <sendop_t*>obj, 0)
+                        ep.pending_sends -= 1
+                elif ev[i].kind == FAB_EV_READ:
+                    on_read_done(ep, <desc_t*><size_t>(ev[i].ctx & ~<uint64_t>TAG_MASK), ev[i].status)
+                elif ev[i].kind == FAB_EV_FAILED:
+                    ep_channel_failed(ep)
+            if ep.state == EP_OPEN:
+                ep_flush(ep)
+            if n < MAX_EVENTS:
+                break
+    if ep.state == EP_OPEN:
+        if ep.pull_ahead or (ep.posted.active and ep.posted.dst == NULL):
+            pull_ahead(ep)
+        ep_deliver(ep)
+    ep_settle(ep)
+
+
+# ====================================================================== worker
+
+cdef uint64_t node_register(worker_t* w, node_t* node, int fd, uint32_t events) noexcept nogil:
+    cdef uint32_t i, n
+    cdef node_t** grown
+    cdef uint32_t* ggens
+    cdef epoll_event ev
+    for i in range(w.nslots):
+        if w.slots[i] == NULL:
+            break
+    else:
+        n = w.nslots * 2 if w.nslots else 16
+        grown = <node_t**>realloc(w.slots, n * sizeof(node_t*))
+        if grown == NULL:
+            return 0
+        w.slots = grown
+        ggens = <uint32_t*>realloc(w.gens, n * sizeof(uint32_t))
+        if ggens == NULL:
+            return 0
+        w.gens = ggens
+        for i in range(w.nslots, n):
+            w.slots[i] = NULL
+            w.gens[i] = 0
+        i = w.nslots
+        w.nslots = n
+    w.gens[i] += 1
+    w.slots[i] = node
+    node.slot = i
+    node.key = (<uint64_t>w.gens[i] << 32) | i
+    ev.events = events
+    ev.data.u64 = node.key
+    if fd >= 0 and epoll_ctl(w.epfd, EPOLL_CTL_ADD, fd, &ev) != 0:
+        w.slots[i] = NULL
+        return 0
+    return node.key
+
+cdef void node_unregister(worker_t* w, node_t* node) noexcept nogil:
+    if node.key and node.slot < w.nslots and w.slots[node.slot] == node:
+        w.slots[node.slot] = NULL
+    node.key = 0
+
+cdef node_t* node_lookup(worker_t* w, uint64_t key) noexcept nogil:
+    cdef uint32_t slot = <uint32_t>(key & 0xFFFFFFFFU)
+    if slot >= w.nslots or w.slots[slot] == NULL or w.slots[slot].key != key:
+        return NULL
+    return w.slots[slot]
+
+cdef void send_hello(ep_t* ep) noexcept nogil:
+    cdef iovec v
+    cdef int rc
+    cdef size_t max_recv = ep.ch.max_recv
+    put_hello(ep.hello, <uint32_t>max_recv, ep.w.opts.credits, ep.w.opts.max_message)
+    v.iov_base = ep.hello
+    v.iov_len = FRAME_HEADER + HELLO_BODY
+    rc = ep.ch.ops.send(ep.ch, &v, 1, 0)
+    if rc == FAB_PENDING:
+        ep.pending_sends += 1
+    elif rc < 0:
+        ep_channel_failed(ep)
+
+cdef ep_t* ep_create(worker_t* w, fab_channel* ch) noexcept nogil:
+    """A new endpoint in HANDSHAKE state on a connected channel; sends HELLO."""
+    cdef ep_t* ep = <ep_t*>calloc(1, sizeof(ep_t))
+    if ep == NULL:
+        ch.ops.close(ch)
+        return NULL
+    ep.node.kind = KIND_EP
+    ep.w = w
+    ep.ch = ch
+    ep.state = EP_HANDSHAKE
+    ep.next_in_id = 1
+    ep.armed = EPOLLIN
+    if node_register(w, &ep.node, ch.fd, EPOLLIN) == 0:
+        ch.ops.close(ch)
+        free(ep)
+        return NULL
+    send_hello(ep)
+    return ep
+
+cdef void ep_destroy(ep_t* ep) noexcept nogil:
+    """Free a settled endpoint (lock held); its messages go with it."""
+    cdef inmsg_t* m
+    if ep.state != EP_DEAD:
+        ep_fail(ep, ESHUTDOWN_, "endpoint closed")
+        ep_settle(ep)
+    node_unregister(ep.w, &ep.node)
+    while ep.inq_head != NULL:
+        inq_pop(ep)
+    if ep.posted.result != NULL:
+        free(ep.posted.result)
+    free(ep)
+
+cdef uint32_t our_max_recv(worker_t* w) noexcept nogil:
+    cdef size_t cap = w.opts.coalesce_limit
+    if cap < w.opts.eager_limit + FRAME_HEADER:
+        cap = w.opts.eager_limit + FRAME_HEADER
+    if cap < 1024:
+        cap = 1024
+    return <uint32_t>cap
+
+cdef void progress_listener(lst_t* l) noexcept nogil:
+    cdef fab_channel* ch
+    cdef ep_t* ep
+    cdef int rc
+    while not l.closed and l.npending < MAX_PENDING_HANDSHAKES:
+        rc = l.fl.accept(l.fl, our_max_recv(l.w), &ch)
+        if rc != 0:
+            break
+        ep = ep_create(l.w, ch)
+        if ep == NULL:
+            continue
+        ep.listener = l
+        ep.hs_deadline = monotonic_now() + l.w.opts.handshake_timeout
+        ep.lst_next = l.pending
+        l.pending = ep
+        l.npending += 1
+        progress_ep(ep)
+    listener_sweep(l)
+
+cdef void listener_sweep(lst_t* l) noexcept nogil:
+    """Move finished handshakes to the ready queue; drop failed or expired
+    ones (garbage, slow or vanished clients never reach accept())."""
+    cdef ep_t** p = &l.pending
+    cdef ep_t* ep
+    cdef double now = monotonic_now()
+    while p[0] != NULL:
+        ep = p[0]
+        if ep.state == EP_HANDSHAKE and now > ep.hs_deadline:
+            ep_fail(ep, ETIMEDOUT, "handshake timed out")
+            ep_settle(ep)
+        if ep.state == EP_HANDSHAKE:
+            p = &ep.lst_next
+            continue
+        p[0] = ep.lst_next
+        l.npending -= 1
+        ep.lst_next = NULL
+        if ep.state == EP_OPEN:
+            if l.ready_tail == NULL:
+                l.ready_head = ep
+            else:
+                l.ready_tail.lst_next = ep
+            l.ready_tail = ep
+        else:
+            ep.listener = NULL
+            ep_destroy(ep)
+
+cdef void progress_node(worker_t* w, node_t* node) noexcept nogil:
+    cdef ep_t* ep
+    if node.kind == KIND_EP:
+        ep = <ep_t*>node
+        progress_ep(ep)
+        if ep.listener != NULL:
+            listener_sweep(ep.listener)
+    else:
+        progress_listener(<lst_t*>node)
+
+cdef void progress_all(worker_t* w) noexcept nogil:
+    cdef uint32_t i
+    for i in range(w.nslots):
+        if w.slots[i] != NULL:
+            progress_node(w, w.slots[i])
+
+cdef int arm_all(worker_t* w) noexcept nogil:
+    """Prepare for blocking; returns 1 if some endpoint can progress now."""
+    cdef uint32_t i
+    cdef uint32_t events
+    cdef ep_t* ep
+    cdef epoll_event ev
+    cdef int ready = 0
+    for i in range(w.nslots):
+        if w.slots[i] == NULL or w.slots[i].kind != KIND_EP:
+            continue
+        ep = <ep_t*>w.slots[i]
+        if ep.state != EP_OPEN and ep.state != EP_HANDSHAKE:
+            continue
+        events = EPOLLIN
+        if ep.ch.ops.arm(ep.ch, &events):
+            ready = 1
+            continue
+        if events != ep.armed:
+            ev.events = events
+            ev.data.u64 = ep.node.key
+            epoll_ctl(w.epfd, EPOLL_CTL_MOD, ep.ch.fd, &ev)
+            ep.armed = events
+    return ready
+
+ctypedef int (*pred_fn)(void* arg) noexcept nogil
+
+cdef int worker_wait(worker_t* w, pred_fn pred, void* arg, ep_t* hint, double deadline) noexcept nogil:
+    """Wait (lock held) until pred(arg). Busy-polls `hint` for opts.spin
+    seconds, then blocks in epoll (one thread at a time; the others sleep on
+    the condition variable and are woken after each round of progress).
+    Returns 0, ETIMEDOUT, or EINTR after WAIT_SLICE_MS so the caller can
+    check for signals."""
+    cdef double now = monotonic_now()
+    cdef double spin_end = now + w.opts.spin
+    cdef double slice_end = now + WAIT_SLICE_MS * 1e-3
+    cdef double until
+    cdef epoll_event evs[64]
+    cdef int n, i, ms
+    cdef node_t* node
+    cdef timespec ts
+    while True:
+        if pred(arg):
+            return 0
+        now = monotonic_now()
+        if deadline >= 0 and now >= deadline:
+            return ETIMEDOUT
+        if now >= slice_end:
+            return EINTR
+        if hint != NULL and now < spin_end and (hint.state == EP_OPEN or hint.state == EP_HANDSHAKE):
+            progress_ep(hint)
+            if hint.listener != NULL:
+                listener_sweep(hint.listener)
+            if pred(arg):
+                pthread_cond_broadcast(&w.cond)
+                return 0
+            if w.waiters:
+                pthread_cond_broadcast(&w.cond)
+            wunlock(w)
+            wlock(w)
+            continue
+        until = slice_end if deadline < 0 or slice_end < deadline else deadline
+        if not w.polling:
+            w.polling = 1
+            ms = <int>((until - now) * 1000.0) + 1
+            if arm_all(w):
+                ms = 0
+            wunlock(w)
+            n = epoll_wait(w.epfd, evs, 64, ms)
+            wlock(w)
+            w.polling = 0
+            if ms == 0:
+                progress_all(w)
+            else:
+                for i in range(n):
+                    node = node_lookup(w, evs[i].data.u64)
+                    if node != NULL:
+                        progress_node(w, node)
+            pthread_cond_broadcast(&w.cond)
+        else:
+            clock_gettime(CLOCK_MONOTONIC, &ts)
+            ms = <int>((until - now) * 1000.0) + 1
+            ts.tv_sec += ms // 1000
+            ts.tv_nsec += (ms % 1000) * 1000000
+            if ts.tv_nsec >= 1000000000:
+                ts.tv_sec += 1
+                ts.tv_nsec -= 1000000000
+            w.waiters += 1
+            pthread_cond_timedwait(&w.cond, &w.lock, &ts)
+            w.waiters -= 1
+
+cdef int pred_op_final(void* arg) noexcept nogil:
+    cdef sendop_t* op = <sendop_t*>arg
+    return op.state == OP_DONE or op.state == OP_FAILED
+
+cdef int pred_posted(void* arg) noexcept nogil:
+    return (<ep_t*>arg).posted.done
+
+cdef int pred_handshake(void* arg) noexcept nogil:
+    return (<ep_t*>arg).state != EP_HANDSHAKE
+
+cdef int pred_no_reads(void* arg) noexcept nogil:
+    cdef ep_t* ep = <ep_t*>arg
+    return ep.posted.msg == NULL or ep.posted.msg.reads == 0 or ep.state == EP_DEAD
+
+cdef int pred_accept(void* arg) noexcept nogil:
+    cdef lst_t* l = <lst_t*>arg
+    listener_sweep(l)
+    return l.ready_head != NULL or l.closed
+
+cdef int pred_drained(void* arg) noexcept nogil:
+    cdef ep_t* ep = <ep_t*>arg
+    if ep.state != EP_OPEN:
+        return 1
+    return (ep.close_sent and ep.pending_sends == 0 and ep.ready_head == NULL
+            and (ep.open_data == NULL or ep.open_data.used == 0) and ep.rndv_out == NULL
+            and ep.zc_out == NULL and ep.ctrl_ready_head == NULL
+            and (ep.ctrl == NULL or ep.ctrl.used == 0))
+
+
+# ============================================================== Python layer
+
+cdef inline void glock(worker_t* w) noexcept:
+    """Take the engine lock from GIL-holding code. The GIL is released while
+    waiting: a thread holding the engine lock may need the GIL (when it
+    leaves a nogil section), so nobody may wait for the lock with the GIL."""
+    with nogil:
+        pthread_mutex_lock(&w.lock)
+
+
+cdef object make_error(int err, str what, str detail=None):
+    text = what + (": " + detail if detail else "")
+    if err == ETIMEDOUT:
+        return _errors.Timeout(text)
+    if err == EPROTO:
+        return _errors.ProtocolError(text)
+    if err == ESHUTDOWN_:
+        return _errors.ConnectionClosed(text)
+    if err == EACCES_:
+        return _errors.RemoteAccessError(text)
+    if err == EMSGSIZE:
+        return _errors.MessageTooLarge(text)
+    if err == ENOMEM:
+        return MemoryError(text)
+    return _errors.ConnectionLost(text)
+
+
+cdef inline double deadline_of(timeout):
+    if timeout is None:
+        return -1.0
+    t = float(timeout)
+    if t < 0:
+        raise ValueError("timeout must be >= 0 or None")
+    return monotonic_now() + t
+
+
+cdef class Worker:
+    """Progress context of one Fabric: a lock, an epoll set, the knobs."""
+    cdef worker_t* w
+    cdef readonly Backend backend
+    cdef readonly dict options
+    cdef int pid
+    cdef object __weakref__
+
+    def __cinit__(self, Backend backend not None, dict options not None):
+        cdef pthread_condattr_t ca
+        self.backend = backend
+        self.options = dict(options)
+        self.w = <worker_t*>calloc(1, sizeof(worker_t))
+        if self.w == NULL:
+            raise MemoryError()
+        pthread_mutex_init(&self.w.lock, NULL)
+        pthread_condattr_init(&ca)
+        pthread_condattr_setclock(&ca, CLOCK_MONOTONIC)
+        pthread_cond_init(&self.w.cond, &ca)
+        self.w.epfd = epoll_create1(EPOLL_CLOEXEC)
+        if self.w.epfd < 0:
+            raise OSError(errno, "epoll_create1 failed")
+        cdef opts_t* o = &self.w.opts
+        o.eager_limit = int(options["eager_limit"])
+        o.chunk_size = int(options["chunk_size"])
+        o.chunks_in_flight = int(options["chunks_in_flight"])
+        o.coalesce_limit = int(options["coalesce_limit"])
+        o.credits = int(options["credits"])
+        o.recv_budget = int(options["recv_budget"])
+        o.send_buffers = int(options["send_buffers"])
+        o.max_message = int(options["max_message"])
+        o.spin = float(options["spin_us"]) * 1e-6
+        o.handshake_timeout = float(options["handshake_timeout"])
+        o.close_linger = float(options["close_linger"])
+        self.pid = __import__("os").getpid()
+
+    def __dealloc__(self):
+        if self.w != NULL:
+            # Endpoints and listeners hold a reference to their Worker, so
+            # none is left here.
+            close(self.w.epfd)
+            pthread_mutex_destroy(&self.w.lock)
+            pthread_cond_destroy(&self.w.cond)
+            free(self.w.slots)
+            free(self.w.gens)
+            free(self.w)
+            self.w = NULL
+
+    cdef void reap(self):
+        """Release Python buffers of operations that finished without a holder."""
+        cdef sendop_t* op
+        cdef sendop_t* n
+        cdef int i
+        if self.w.reap == NULL:
+            return
+        with nogil:
+            wlock(self.w)
+            op = self.w.reap
+            self.w.reap = NULL
+            wunlock(self.w)
+        while op != NULL:
+            n = op.reap_next
+            for i in range(op.nviews):
+                PyBuffer_Release(&op.views[i])
+            op_free(op)
+            op = n
+
+    def fileno(self):
+        """The epoll descriptor: readable when progress() may have work."""
+        return self.w.epfd
+
+    def progress(self):
+        """Non-blocking progress of every endpoint and listener."""
+        with nogil:
+            wlock(self.w)
+            progress_all(self.w)
+            pthread_cond_broadcast(&self.w.cond)
+            wunlock(self.w)
+        self.reap()
+
+    def arm(self):
+        """Prepare fileno() for waiting; False if progress is possible now."""
+        cdef int ready
+        with nogil:
+            wlock(self.w)
+            ready = arm_all(self.w)
+            wunlock(self.w)
+        return not ready
+
+    cdef int wait(self, pred_fn pred, void* arg, ep_t* hint, double deadline) except -1:
+        """Block without the GIL until pred; 0, or ETIMEDOUT. Signals raise."""
+        cdef int rc
+        while True:
+            with nogil:
+                rc = worker_wait(self.w, pred, arg, hint, deadline)
+            if rc != EINTR:
+                return rc
+            wunlock(self.w)
+            try:
+                PyErr_CheckSignals()
+            finally:
+                glock(self.w)
+
+    def listen(self, str host, int port):
+        cdef fab_listener* fl = self.backend.listen(host, port, self.options)
+        cdef lst_t* l = <lst_t*>calloc(1, sizeof(lst_t))
+        if l == NULL:
+            fl.close(fl)
+            raise MemoryError()
+        l.node.kind = KIND_LST
+        l.w = self.w
+        l.fl = fl
+        glock(self.w)
+        if node_register(self.w, &l.node, fl.fd, EPOLLIN) == 0:
+            wunlock(self.w)
+            fl.close(fl)
+            free(l)
+            raise OSError("cannot watch the listening socket")
+        wunlock(self.w)
+        lst = Listener.__new__(Listener)
+        (<Listener>lst).l = l
+        (<Listener>lst).worker = self
+        return lst
+
+    def connect(self, str host, int port, timeout=None):
+        cdef double deadline = deadline_of(timeout)
+        cdef double hs_deadline
+        cdef fab_channel* ch
+        cdef ep_t* ep
+        cdef int rc
+        remaining = -1.0 if deadline < 0 else max(0.0, deadline - monotonic_now())
+        try:
+            ch = self.backend.connect(host, port, remaining, our_max_recv(self.w), self.options)
+        except TimeoutError as e:
+            raise _errors.Timeout(str(e)) from None
+        except OSError as e:
+            raise _errors.ConnectionLost(f"cannot connect to {host}:{port}: {e.strerror or e}") from None
+        hs_deadline = monotonic_now() + self.w.opts.handshake_timeout
+        if deadline >= 0 and deadline < hs_deadline:
+            hs_deadline = deadline
+        cdef char why[200]
+        cdef int ok = 0
+        glock(self.w)
+        ep = ep_create(self.w, ch)
+        if ep == NULL:
+            wunlock(self.w)
+            raise MemoryError()
+        try:
+            rc = self.wait(pred_handshake, ep, ep, hs_deadline)
+        finally:
+            ok = ep.state == EP_OPEN
+            if not ok:
+                memcpy(why, ep.error, 200)
+                ep_destroy(ep)
+            wunlock(self.w)
+        if not ok:
+            if rc == ETIMEDOUT:
+                raise _errors.Timeout(f"connect to {host}:{port}: no handshake from the peer")
+            raise _errors.ConnectionLost(f"connect to {host}:{port} failed: "
+                                         f"{why.decode(errors='replace')}")
+        return make_endpoint(self, ep)
+
+
+cdef struct recv_result:
+    int err
+    size_t length
+    char* data
+
+
+cdef Endpoint make_endpoint(Worker worker, ep_t* ep):
+    cdef Endpoint e = Endpoint.__new__(Endpoint)
+    e.ep = ep
+    e.worker = worker
+    e.w = worker.w
+    return e
+
+
+cdef class Message:
+    """A received message: a writable buffer owning its memory.
+
+    Use it wherever a buffer is accepted (memoryview, numpy.frombuffer,
+    bytes(m)); it compares equal to bytes with the same content."""
+    cdef char* data
+    cdef Py_ssize_t length
+    cdef Py_ssize_t shape[1]
+    cdef Py_ssize_t strides[1]
+
+    def __dealloc__(self):
+        free(self.data)
+
+    def __len__(self):
+        return self.length
+
+    def __getbuffer__(self, Py_buffer* view, int flags):
+        self.shape[0] = self.length
+        self.strides[0] = 1
+        view.buf = self.data
+        view.obj = self
+        view.len = self.length
+        view.readonly = 0
+        view.itemsize = 1
+        view.format = NULL
+        if flags & 4:         # PyBUF_FORMAT
+            view.format = BYTE_FORMAT
+        view.ndim = 1
+        view.shape = self.shape if (flags & 8) else NULL   # PyBUF_ND
+        view.strides = self.strides if (flags & 16) == 16 else NULL
+        view.suboffsets = NULL
+        view.internal = NULL
+
+    def __releasebuffer__(self, Py_buffer* view):
+        pass
+
+    def __bytes__(self):
+        return self.data[:self.length]
+
+    def tobytes(self):
+        return self.data[:self.length]
+
+    def __eq__(self, other):
+        try:
+            return memoryview(self) == memoryview(other).cast("B")
+        except TypeError:
+            return NotImplemented
+
+    def __hash__(self):
+        raise TypeError("Message is mutable and unhashable")
+
+    def __repr__(self):
+        head = self.data[:min(self.length, 16)]
+        return f"<fabric.Message {self.length} bytes {head!r}{'...' if self.length > 16 else ''}>"
+
+
+cdef char* BYTE_FORMAT = "B"
+
+
+cdef Message make_message(char* data, size_t length):
+    cdef Message m = Message.__new__(Message)
+    m.data = data
+    m.length = <Py_ssize_t>length
+    return m
+
+
+cdef sendop_t* op_from(object obj) except NULL:
+    """A send operation referencing obj's buffers (no copy): one buffer, or a
+    list/tuple of buffers forming one message."""
+    cdef list parts
+    cdef int n, i
+    cdef sendop_t* op
+    cdef size_t size
+    if isinstance(obj, (list, tuple)):
+        parts = list(obj)
+    else:
+        parts = [obj]
+    n = len(parts)
+    size = sizeof(sendop_t) + n * (sizeof(seg_t) + sizeof(Py_buffer))
+    op = <sendop_t*>calloc(1, size)
+    if op == NULL:
+        raise MemoryError()
+    op.views = <Py_buffer*>(<char*>op + sizeof(sendop_t))
+    op.segs = <seg_t*>(<char*>op.views + n * sizeof(Py_buffer))
+    op.refs = 2           # the engine and the caller
+    try:
+        for i in range(n):
+            part = parts[i]
+            try:
+                PyObject_GetBuffer(part, &op.views[i], PyBUF_SIMPLE)
+            except (TypeError, BufferError):
+                part = as_buffer(part)
+                PyObject_GetBuffer(part, &op.views[i], PyBUF_SIMPLE)
+            op.nviews += 1
+            op.segs[i].ptr = <char*>op.views[i].buf
+            op.segs[i].length = <size_t>op.views[i].len
+            op.total += op.segs[i].length
+        op.nseg = n
+    except BaseException:
+        for i in range(op.nviews):
+            PyBuffer_Release(&op.views[i])
+        free(op)
+        raise
+    return op
+
+
+def as_buffer(obj):
+    """Objects without the buffer protocol: DLPack producers (torch CPU
+    tensors, JAX arrays) through numpy; a clear error otherwise."""
+    if hasattr(obj, "__dlpack__"):
+        import numpy
+        arr = numpy.from_dlpack(obj)
+        if not arr.flags.c_contiguous:
+            raise BufferError("fabric sends only C-contiguous tensors; call .contiguous() first")
+        return arr
+    raise TypeError(f"fabric cannot send {type(obj).__name__}: it supports neither the "
+                    "buffer protocol nor DLPack")
+
+
+cdef void op_release(Worker worker, sendop_t* op):
+    """Drop the caller's reference (GIL held, lock not held)."""
+    cdef int i, free_it = 0, views = 0
+    glock(worker.w)
+    op.refs -= 1
+    if op.state == OP_DONE or op.state == OP_FAILED:
+        views = op.nviews
+        op.nviews = 0
+        free_it = op.refs == 0
+    wunlock(worker.w)
+    for i in range(views):
+        PyBuffer_Release(&op.views[i])
+    if free_it:
+        op_free(op)
+
+
+@cython.no_gc_clear
+cdef class Request:
+    """An isend in progress; the buffer must stay untouched until done()."""
+    cdef sendop_t* op
+    cdef Endpoint ep
+    cdef readonly size_t nbytes
+    cdef object _error
+
+    def __dealloc__(self):
+        if self.op != NULL:
+            op_release(self.ep.worker, self.op)
+            self.op = NULL
+
+    def done(self):
+        cdef int final
+        if self.op == NULL:
+            return True
+        cdef ep_t* ep = self.ep.ep
+        with nogil:
+            wlock(self.ep.w)
+            if ep != NULL and ep.state == EP_OPEN:
+                progress_ep(ep)
+            final = pred_op_final(self.op)
+            wunlock(self.ep.w)
+        self.ep.worker.reap()
+        if final:
+            self._finish()
+        return bool(final)
+
+    cdef _finish(self):
+        cdef int err = self.op.err
+        op_release(self.ep.worker, self.op)
+        self.op = NULL
+        if err:
+            self._error = make_error(err, "send failed", self.ep._detail(err))
+
+    def wait(self, timeout=None):
+        """Wait until the message has left obj (and raise if it failed)."""
+        cdef double deadline = deadline_of(timeout)
+        cdef int rc = 0
+        if self.op != NULL:
+            glock(self.ep.w)
+            try:
+                rc = self.ep.worker.wait(pred_op_final, self.op, self.ep.ep, deadline)
+            finally:
+                wunlock(self.ep.w)
+            self.ep.worker.reap()
+            if rc == ETIMEDOUT:
+                raise _errors.Timeout("send did not complete in time (it continues)")
+            self._finish()
+        if self._error is not None:
+            raise self._error
+
+    @property
+    def error(self):
+        return self._error
+
+    @property
+    def endpoint(self):
+        return self.ep
+
+    async def await_done(self, timeout=None):
+        """wait() for asyncio."""
+        from fabric import aio
+        await aio.wait_request(self, timeout)
+
+    def __await__(self):
+        return self.await_done().__await__()
+
+
+@cython.no_gc_clear
+cdef class Endpoint:
+    """One connection. send/recv are thread-safe; one receive at a time."""
+    cdef ep_t* ep
+    cdef worker_t* w
+    cdef readonly Worker worker
+    cdef Py_buffer async_view      # recv buffer of a _try_recv in progress
+    cdef int async_view_held
+    cdef object __weakref__
+
+    def __dealloc__(self):
+        if self.ep != NULL:
+            with nogil:
+                wlock(self.w)
+                ep_destroy(self.ep)
+                wunlock(self.w)
+            self.ep = NULL
+        self._drop_async_view()
+
+    cdef void _drop_async_view(self):
+        if self.async_view_held:
+            self.async_view_held = 0
+            PyBuffer_Release(&self.async_view)
+
+    cdef str _detail(self, int err):
+        if self.ep == NULL:
+            return "endpoint closed"
+        if self.ep.state == EP_DEAD and self.ep.error[0]:
+            return self.ep.error.decode(errors="replace")
+        return None
+
+    cdef inline void _check_open(self) except *:
+        if self.ep == NULL:
+            raise _errors.ConnectionClosed("endpoint is closed")
+
+    @property
+    def local_address(self):
+        self._check_open()
+        return self.ep.ch.local_name.decode() if self.ep.ch != NULL else None
+
+    @property
+    def peer_address(self):
+        self._check_open()
+        return self.ep.ch.peer_name.decode() if self.ep.ch != NULL else None
+
+    @property
+    def closed(self):
+        return self.ep == NULL or self.ep.state == EP_DEAD
+
+    @property
+    def eager_limit(self):
+        self._check_open()
+        return self.ep.eager_limit
+
+    def stats(self):
+        """Counters for tests and tools."""
+        self._check_open()
+        return {"peer_credits": self.ep.peer_credits, "pending_sends": self.ep.pending_sends,
+                "buffered_bytes": self.ep.inbuf_bytes, "held_credits": self.ep.held,
+                "send_buffers": self.ep.slabs_total, "credits_to_return": self.ep.c2r}
+
+    def send(self, obj):
+        """Send one message (a buffer, or a list/tuple of buffers sent as one
+        message). Returns when obj may be reused."""
+        cdef sendop_t* op
+        cdef int err
+        self._check_open()
+        op = op_from(obj)
+        with nogil:
+            wlock(self.w)
+            ep_submit(self.ep, op)
+        try:
+            if not pred_op_final(op):
+                self.worker.wait(pred_op_final, op, self.ep, -1.0)
+            err = op.err
+        finally:
+            ep_settle(self.ep)
+            wunlock(self.w)
+            op_release(self.worker, op)
+            self.worker.reap()
+        if err:
+            raise make_error(err, "send failed", self._detail(err))
+
+    def isend(self, obj):
+        """Start sending; returns a Request. obj must stay untouched until the
+        request is done."""
+        cdef sendop_t* op
+        cdef Request req
+        self._check_open()
+        op = op_from(obj)
+        req = Request.__new__(Request)
+        req.op = op
+        req.ep = self
+        req.nbytes = op.total
+        with nogil:
+            wlock(self.w)
+            ep_submit(self.ep, op)
+            ep_settle(self.ep)
+            wunlock(self.w)
+        return req
+
+    cdef int _take(self, recv_result* r) noexcept nogil:
+        """Move a finished receive's result out of the endpoint (lock held)."""
+        cdef posted_t* p = &self.ep.posted
+        r.err = p.err
+        r.length = p.length
+        r.data = p.result
+        memset(p, 0, sizeof(posted_t))
+        return r.err
+
+    cdef object _result(self, recv_result* r, int want_message):
+        """Message / byte count / exception for a taken result (lock NOT held:
+        building Python objects may run the garbage collector, whose
+        finalizers take the engine lock)."""
+        if r.err == EMSGSIZE:
+            return _errors.MessageTooLarge(
+                f"the next message has {r.length} bytes, more than the buffer holds; it is kept",
+                r.length)
+        if r.err:
+            return make_error(r.err, "receive failed", self._detail(r.err))
+        if want_message:
+            if r.data == NULL:
+                r.data = <char*>malloc(1)
+                if r.data == NULL:
+                    raise MemoryError()
+            return make_message(r.data, r.length)
+        return r.length
+
+    cdef int _unpost(self) noexcept nogil:
+        """Withdraw an unfinished receive (lock held). A message already being
+        pulled into the caller's buffer moves to memory of our own first, so
+        nothing is lost and the caller's buffer is free again. Returns 1 if
+        reads into the caller's buffer are still landing (wait, then call
+        again), 0 when done."""
+        cdef posted_t* p = &self.ep.posted
+        cdef inmsg_t* m = p.msg
+        cdef desc_t* d
+        cdef char* nb
+        if m != NULL and p.dst != NULL and m.data == p.dst and m.received < m.total:
+            d = m.descs
+            while d != NULL:
+                if d.reading and self.ep.ch != NULL:
+                    if self.ep.ch.ops.cancel_read(self.ep.ch, <uint64_t><size_t>d | TAG_DESC) == 0:
+                        d.reading = 0
+                        m.reads -= 1
+                d = d.next
+            if m.reads > 0 and self.ep.state != EP_DEAD:
+                return 1
+            if self.ep.state != EP_DEAD:
+                nb = <char*>malloc(m.total)
+                if nb == NULL:
+                    ep_fail(self.ep, ENOMEM, "out of memory moving a message")
+                else:
+                    memcpy(nb, m.data, m.total)
+                    if m.dst_registered:
+                        self.ep.ch.ops.dereg(self.ep.ch, &m.dst_mr)
+                        m.dst_registered = 0
+                    m.data = nb
+                    m.own_data = 1
+                    m.charge += m.total
+                    self.ep.inbuf_bytes += m.total
+                    issue_reads(self.ep, m)
+        if p.result != NULL:
+            free(p.result)
+        memset(p, 0, sizeof(posted_t))
+        return 0
+
+    cdef void _withdraw(self):
+        """_unpost, waiting for reads that cannot be cancelled (lock held)."""
+        while self._unpost():
+            with nogil:
+                worker_wait(self.w, pred_no_reads, self.ep, self.ep, -1.0)
+
+    cdef object _recv(self, char* dst, size_t cap, timeout):
+        cdef double deadline = deadline_of(timeout)
+        cdef int rc = 0, busy = 0, done = 0
+        cdef recv_result r
+        self._check_open()
+        glock(self.w)
+        try:
+            if self.ep.posted.active:
+                busy = 1
+            else:
+                with nogil:
+                    ep_post(self.ep, dst, cap)
+                try:
+                    if not self.ep.posted.done:
+                        rc = self.worker.wait(pred_posted, self.ep, self.ep, deadline)
+                finally:
+                    done = self.ep.posted.done
+                    if done:
+                        self._take(&r)
+                    else:
+                        self._withdraw()
+            ep_settle(self.ep)
+        finally:
+            wunlock(self.w)
+        if busy:
+            raise _errors.BusyError("another receive is in progress on this endpoint")
+        if not done:
+            raise _errors.Timeout("no message arrived in time")
+        return self._result(&r, dst == NULL)
+
+    def recv(self, timeout=None):
+        """Receive the next message as a Message buffer."""
+        r = self._recv(NULL, 0, timeout)
+        if isinstance(r, BaseException):
+            raise r
+        return r
+
+    def recv_into(self, buf, timeout=None):
+        """Receive the next message into buf (writable, contiguous); returns
+        its size. A message larger than buf raises MessageTooLarge and stays
+        queued."""
+        cdef Py_buffer view
+        PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE | PyBUF_ANY_CONTIGUOUS)
+        try:
+            r = self._recv(<char*>view.buf, <size_t>view.len, timeout)
+        finally:
+            PyBuffer_Release(&view)
+        if isinstance(r, BaseException):
+            raise r
+        return r
+
+    # --- non-blocking primitives for the asyncio layer (fabric.aio) ---------
+
+    def _poll(self):
+        """Progress this endpoint without blocking."""
+        self._check_open()
+        with nogil:
+            wlock(self.w)
+            progress_ep(self.ep)
+            wunlock(self.w)
+        self.worker.reap()
+
+    def _try_recv(self, buf=None):
+        """Start (or continue) the receive; None while it is not complete.
+        The buffer stays referenced until completion or _cancel_recv()."""
+        cdef char* dst = NULL
+        cdef size_t cap = 0
+        cdef int done = 0, busy = 0
+        cdef recv_result r
+        self._check_open()
+        if buf is not None and not self.async_view_held:
+            PyObject_GetBuffer(buf, &self.async_view, PyBUF_WRITABLE | PyBUF_ANY_CONTIGUOUS)
+            self.async_view_held = 1
+        if self.async_view_held:
+            dst = <char*>self.async_view.buf
+            cap = <size_t>self.async_view.len
+        with nogil:
+            wlock(self.w)
+            if not self.ep.posted.active:
+                ep_post(self.ep, dst, cap)
+            elif self.ep.posted.dst != dst:
+                busy = 1
+            else:
+                if self.ep.state == EP_OPEN:
+                    progress_ep(self.ep)
+                ep_deliver(self.ep)
+            if not busy and self.ep.posted.done:
+                done = 1
+                self._take(&r)
+            ep_settle(self.ep)
+            wunlock(self.w)
+        if busy:
+            raise _errors.BusyError("another receive is in progress on this endpoint")
+        if not done:
+            return None
+        self._drop_async_view()
+        result = self._result(&r, buf is None)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _cancel_recv(self):
+        if self.ep != NULL:
+            glock(self.w)
+            if self.ep.posted.active:
+                self._withdraw()
+            wunlock(self.w)
+        self._drop_async_view()
+
+    def close(self, linger=None):
+        """Send what is queued and say goodbye (waiting at most `linger`
+        seconds, default the close_linger option), then release everything.
+        Pending operations fail with ConnectionClosed. Idempotent."""
+        cdef double deadline
+        if self.ep == NULL:
+            return
+        deadline = monotonic_now() + (self.w.opts.close_linger if linger is None else float(linger))
+        glock(self.w)
+        try:
+            if self.ep.state == EP_OPEN:
+                self.ep.close_requested = 1
+                ep_flush(self.ep)
+                try:
+                    self.worker.wait(pred_drained, self.ep, self.ep, deadline)
+                except BaseException:
+                    pass
+            ep_destroy(self.ep)
+            self.ep = NULL
+        finally:
+            wunlock(self.w)
+        self.worker.reap()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # --- asyncio -------------------------------------------------------------
+
+    async def asend(self, obj, timeout=None):
+        """send() for asyncio."""
+        from fabric import aio
+        await aio.send(self, obj, timeout)
+
+    async def arecv(self, timeout=None):
+        """recv() for asyncio."""
+        from fabric import aio
+        return await aio.recv(self, None, timeout)
+
+    async def arecv_into(self, buf, timeout=None):
+        """recv_into() for asyncio; buf stays in use until it returns."""
+        from fabric import aio
+        return await aio.recv(self, buf, timeout)
+
+    async def aclose(self, linger=None):
+        from fabric import aio
+        await aio.close(self, linger)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.aclose()
+
+    def __repr__(self):
+        if self.ep == NULL:
+            return "<fabric.Endpoint closed>"
+        return f"<fabric.Endpoint {self.local_address} -> {self.peer_address} {self.worker.backend.name}>"
+
+
+@cython.no_gc_clear
+cdef class Listener:
+    """Accepts endpoints; handshakes run in the background of accept()."""
+    cdef lst_t* l
+    cdef readonly Worker worker
+    cdef object __weakref__
+
+    def __dealloc__(self):
+        if self.l != NULL:
+            self._close()
+
+    cdef void _close(self):
+        cdef ep_t* ep = NULL
+        glock(self.worker.w)
+        self.l.closed = 1
+        while self.l.pending != NULL:
+            ep = self.l.pending
+            self.l.pending = ep.lst_next
+            ep_destroy(ep)
+        while self.l.ready_head != NULL:
+            ep = self.l.ready_head
+            self.l.ready_head = ep.lst_next
+            ep_destroy(ep)
+        epoll_ctl(self.worker.w.epfd, EPOLL_CTL_DEL, self.l.fl.fd, NULL)
+        node_unregister(self.worker.w, &self.l.node)
+        self.l.fl.close(self.l.fl)
+        free(self.l)
+        self.l = NULL
+        wunlock(self.worker.w)
+
+    @property
+    def address(self):
+        if self.l == NULL:
+            raise _errors.ConnectionClosed("listener is closed")
+        return self.l.fl.address.decode()
+
+    def accept(self, timeout=None):
+        """The next connected endpoint (after a successful handshake)."""
+        cdef double deadline = deadline_of(timeout)
+        cdef ep_t* ep
+        cdef int rc
+        if self.l == NULL:
+            raise _errors.ConnectionClosed("listener is closed")
+        glock(self.worker.w)
+        try:
+            with nogil:
+                progress_listener(self.l)
+            rc = self.worker.wait(pred_accept, self.l, NULL, deadline)
+            ep = self.l.ready_head
+            if ep != NULL:
+                self.l.ready_head = ep.lst_next
+                if self.l.ready_head == NULL:
+                    self.l.ready_tail = NULL
+                ep.lst_next = NULL
+                ep.listener = NULL
+        finally:
+            wunlock(self.worker.w)
+        if ep == NULL:
+            if rc == ETIMEDOUT:
+                raise _errors.Timeout("no connection arrived in time")
+            raise _errors.ConnectionClosed("listener is closed")
+        return make_endpoint(self.worker, ep)
+
+    def _try_accept(self):
+        if self.l == NULL:
+            raise _errors.ConnectionClosed("listener is closed")
+        cdef ep_t* ep = NULL
+        glock(self.worker.w)
+        with nogil:
+            progress_listener(self.l)
+        ep = self.l.ready_head
+        if ep != NULL:
+            self.l.ready_head = ep.lst_next
+            if self.l.ready_head == NULL:
+                self.l.ready_tail = NULL
+            ep.lst_next = NULL
+            ep.listener = NULL
+        wunlock(self.worker.w)
+        return None if ep == NULL else make_endpoint(self.worker, ep)
+
+    def close(self):
+        if self.l != NULL:
+            self._close()
+
+    async def aaccept(self, timeout=None):
+        """accept() for asyncio."""
+        from fabric import aio
+        return await aio.accept(self, timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"<fabric.Listener {self.address if self.l != NULL else 'closed'}>"
