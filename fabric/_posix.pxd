@@ -114,6 +114,7 @@ cdef extern from "<unistd.h>" nogil:
     int close(int fd)
     ssize_t read(int fd, void* buf, size_t n)
     ssize_t write(int fd, const void* buf, size_t n)
+    int getpid()
 
 cdef extern from "<poll.h>" nogil:
     struct pollfd:
@@ -181,6 +182,11 @@ cdef extern from "<pthread.h>" nogil:
     int pthread_cond_destroy(pthread_cond_t* c)
     int pthread_cond_broadcast(pthread_cond_t* c)
     int pthread_cond_timedwait(pthread_cond_t* c, pthread_mutex_t* m, const timespec* t)
+    int pthread_cond_wait(pthread_cond_t* c, pthread_mutex_t* m)
+    int pthread_cond_signal(pthread_cond_t* c)
+    ctypedef unsigned long pthread_t
+    int pthread_create(pthread_t* t, void* attr, void* (*start)(void*) noexcept nogil, void* arg)
+    int pthread_join(pthread_t t, void** ret)
 
 cdef extern from "<sys/random.h>" nogil:
     ssize_t getrandom(void* buf, size_t n, unsigned int flags)

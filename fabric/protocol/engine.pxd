@@ -2,7 +2,7 @@
 # only through fabric.backends.interface (fab_channel / fab_listener).
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int64_t
 from cpython.buffer cimport Py_buffer
-from fabric._posix cimport pthread_mutex_t, pthread_cond_t
+from fabric._posix cimport pthread_mutex_t, pthread_cond_t, pthread_t
 from fabric.backends.interface cimport fab_channel, fab_listener, fab_mr, Backend
 
 cdef struct opts_t:
@@ -17,6 +17,7 @@ cdef struct opts_t:
     double spin                 # seconds of busy polling before blocking
     double handshake_timeout
     double close_linger
+    int progress_thread
 
 cdef struct slab_t:
     slab_t* next
@@ -133,6 +134,7 @@ cdef struct ep_t:
     slab_t* inflight
     int close_requested
     int pull_ahead              # last receive was recv(): pull rendezvous messages early
+    int send_waiters            # threads blocked until a send completes
     uint8_t hello[56]
     uint64_t seq_sealed
     uint64_t seq_posted
@@ -171,3 +173,11 @@ cdef struct worker_t:
     uint32_t nslots
     opts_t opts
     sendop_t* reap
+    # background progress (see progress_thread_main)
+    pthread_cond_t bg_cond
+    pthread_t bg_thread
+    int bg_running
+    int bg_state
+    int bg_stop
+    int wake_fd
+    double last_app

@@ -72,7 +72,14 @@ cdef enum:
     MAX_SEGMENTS_ZC = 62    # scatter entries sent zero-copy in one send
     WAIT_SLICE_MS = 200     # blocking waits wake this often to check signals
 
+cdef enum:
+    BG_BEHIND_POLLER = 1 # an application thread is blocked in epoll: asleep until it leaves
+    BG_WATCHING = 2      # the application is active: re-check after the grace period
+    BG_POLLING = 3       # blocked in epoll, progressing for an application that is away
+
 cdef uint32_t NO_CHUNK = 0xFFFFFFFFU
+cdef uint64_t WAKE_KEY = 0xFFFFFFFFFFFFFFFFU
+cdef double BG_GRACE = 0.001    # application idle this long before the thread polls
 
 
 # ===================================================================== utilities
@@ -82,6 +89,13 @@ cdef inline void wlock(worker_t* w) noexcept nogil:
 
 cdef inline void wunlock(worker_t* w) noexcept nogil:
     pthread_mutex_unlock(&w.lock)
+
+cdef inline void alock(worker_t* w) noexcept nogil:
+    """Lock on behalf of the application: the progress thread stays away
+    while the application itself is driving the engine."""
+    pthread_mutex_lock(&w.lock)
+    w.last_app = monotonic_now()
+
 
 cdef inline int ep_usable(ep_t* ep) noexcept nogil:
     return ep.state == EP_OPEN or ep.state == EP_HANDSHAKE
@@ -624,7 +638,14 @@ cdef int bind_rndv(ep_t* ep, inmsg_t* m, char* dst) noexcept nogil:
     return 0
 
 cdef void ep_deliver(ep_t* ep) noexcept nogil:
-    """Match the head message to the posted receive, in order."""
+    """Match the head message to the posted receive, in order; then return
+    the credits that freed (the peer may be waiting for them)."""
+    cdef uint32_t before = ep.c2r
+    match_posted(ep)
+    if ep.c2r != before and ep.state == EP_OPEN:
+        ep_flush(ep)
+
+cdef void match_posted(ep_t* ep) noexcept nogil:
     cdef posted_t* p = &ep.posted
     cdef inmsg_t* m = ep.inq_head
     cdef int rc
@@ -710,9 +731,10 @@ cdef void pull_ahead(ep_t* ep) noexcept nogil:
                 return
             ep.inbuf_bytes += m.total
             m.charge += m.total
-            return
-        if m.rndv and m.received < m.total:
-            return      # one message pulled ahead at a time
+            if not ep.peer_closed:
+                return
+        elif m.rndv and m.received < m.total and not ep.peer_closed:
+            return      # one message pulled ahead at a time (all once the peer is leaving)
         m = m.next
 
 cdef int on_eager(ep_t* ep, frame_t* f) noexcept nogil:
@@ -925,6 +947,7 @@ cdef void on_peer_close(ep_t* ep) noexcept nogil:
     """The peer will receive nothing more: what we still want to send fails,
     and we answer with our own CLOSE so its close() need not linger."""
     ep.peer_closed = 1
+    ep.pull_ahead = 1      # the peer waits to release its buffers: take its messages now
     fail_op_list(ep, ep.sendq_head, ESHUTDOWN_)
     ep.sendq_head = NULL
     ep.sendq_tail = NULL
@@ -1045,7 +1068,7 @@ cdef void progress_ep(ep_t* ep) noexcept nogil:
             if n < MAX_EVENTS:
                 break
     if ep.state == EP_OPEN:
-        if ep.pull_ahead or (ep.posted.active and ep.posted.dst == NULL):
+        if ep.pull_ahead or ep.send_waiters or (ep.posted.active and ep.posted.dst == NULL):
             pull_ahead(ep)
         ep_deliver(ep)
     ep_settle(ep)
@@ -1237,6 +1260,63 @@ cdef int arm_all(worker_t* w) noexcept nogil:
             ep.armed = events
     return ready
 
+cdef void drain_wake(worker_t* w) noexcept nogil:
+    cdef uint64_t junk
+    read(w.wake_fd, &junk, 8)
+
+cdef void* progress_thread_main(void* arg) noexcept nogil:
+    """Background progress. A TCP peer's pull, a full socket, a rendezvous
+    release or the peer's CLOSE must not wait until the application calls
+    fabric again. The thread stays asleep while an application thread is in
+    the engine or was there within BG_GRACE (so it does not compete with an
+    active application for the CPU); after that it blocks in epoll and
+    progresses everything. An application thread that starts to block kicks
+    it out of epoll (wake_fd) and takes over."""
+    cdef worker_t* w = <worker_t*>arg
+    cdef timespec ts
+    cdef epoll_event evs[64]
+    cdef node_t* node
+    cdef int n, i, ms
+    cdef double now, resume
+    wlock(w)
+    while not w.bg_stop:
+        if w.polling:
+            w.bg_state = BG_BEHIND_POLLER
+            pthread_cond_wait(&w.bg_cond, &w.lock)
+            continue
+        now = monotonic_now()
+        resume = w.last_app + BG_GRACE
+        if now < resume:
+            w.bg_state = BG_WATCHING
+            clock_gettime(CLOCK_MONOTONIC, &ts)
+            ts.tv_nsec += <long>((resume - now) * 1e9) + 1000
+            if ts.tv_nsec >= 1000000000:
+                ts.tv_sec += 1
+                ts.tv_nsec -= 1000000000
+            pthread_cond_timedwait(&w.bg_cond, &w.lock, &ts)
+            continue
+        w.bg_state = BG_POLLING
+        w.polling = 1
+        ms = 0 if arm_all(w) else 1000
+        wunlock(w)
+        n = epoll_wait(w.epfd, evs, 64, ms)
+        wlock(w)
+        w.polling = 0
+        w.bg_state = BG_WATCHING
+        if ms == 0:
+            progress_all(w)
+        for i in range(n):
+            if evs[i].data.u64 == WAKE_KEY:
+                drain_wake(w)
+                continue
+            node = node_lookup(w, evs[i].data.u64)
+            if node != NULL:
+                progress_node(w, node)
+        pthread_cond_broadcast(&w.cond)
+    w.bg_state = 0
+    wunlock(w)
+    return NULL
+
 ctypedef int (*pred_fn)(void* arg) noexcept nogil
 
 cdef int worker_wait(worker_t* w, pred_fn pred, void* arg, ep_t* hint, double deadline) noexcept nogil:
@@ -1253,10 +1333,12 @@ cdef int worker_wait(worker_t* w, pred_fn pred, void* arg, ep_t* hint, double de
     cdef int n, i, ms
     cdef node_t* node
     cdef timespec ts
+    cdef uint64_t one = 1
     while True:
         if pred(arg):
             return 0
         now = monotonic_now()
+        w.last_app = now
         if deadline >= 0 and now >= deadline:
             return ETIMEDOUT
         if now >= slice_end:
@@ -1283,15 +1365,23 @@ cdef int worker_wait(worker_t* w, pred_fn pred, void* arg, ep_t* hint, double de
             n = epoll_wait(w.epfd, evs, 64, ms)
             wlock(w)
             w.polling = 0
+            w.last_app = monotonic_now()
+            if w.bg_state == BG_BEHIND_POLLER:
+                pthread_cond_signal(&w.bg_cond)
             if ms == 0:
                 progress_all(w)
             else:
                 for i in range(n):
+                    if evs[i].data.u64 == WAKE_KEY:
+                        drain_wake(w)
+                        continue
                     node = node_lookup(w, evs[i].data.u64)
                     if node != NULL:
                         progress_node(w, node)
             pthread_cond_broadcast(&w.cond)
         else:
+            if w.bg_state == BG_POLLING:
+                write(w.wake_fd, &one, 8)     # the application takes over polling
             clock_gettime(CLOCK_MONOTONIC, &ts)
             ms = <int>((until - now) * 1000.0) + 1
             ts.tv_sec += ms // 1000
@@ -1339,7 +1429,7 @@ cdef inline void glock(worker_t* w) noexcept:
     waiting: a thread holding the engine lock may need the GIL (when it
     leaves a nogil section), so nobody may wait for the lock with the GIL."""
     with nogil:
-        pthread_mutex_lock(&w.lock)
+        alock(w)
 
 
 cdef object make_error(int err, str what, str detail=None):
@@ -1402,12 +1492,36 @@ cdef class Worker:
         o.spin = float(options["spin_us"]) * 1e-6
         o.handshake_timeout = float(options["handshake_timeout"])
         o.close_linger = float(options["close_linger"])
-        self.pid = __import__("os").getpid()
+        o.progress_thread = int(options.get("progress_thread", 1))
+        self.pid = getpid()
+        self.w.wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
+        if self.w.wake_fd < 0:
+            raise OSError(errno, "eventfd failed")
+        cdef epoll_event ev
+        ev.events = EPOLLIN
+        ev.data.u64 = WAKE_KEY
+        epoll_ctl(self.w.epfd, EPOLL_CTL_ADD, self.w.wake_fd, &ev)
+        pthread_cond_init(&self.w.bg_cond, &ca)
+        if o.progress_thread:
+            if pthread_create(&self.w.bg_thread, NULL, progress_thread_main, self.w) != 0:
+                raise OSError(errno, "cannot start the progress thread")
+            self.w.bg_running = 1
 
     def __dealloc__(self):
+        cdef uint64_t one = 1
         if self.w != NULL:
             # Endpoints and listeners hold a reference to their Worker, so
             # none is left here.
+            if self.w.bg_running and self.pid == getpid():
+                with nogil:
+                    wlock(self.w)
+                    self.w.bg_stop = 1
+                    pthread_cond_signal(&self.w.bg_cond)
+                    write(self.w.wake_fd, &one, 8)
+                    wunlock(self.w)
+                    pthread_join(self.w.bg_thread, NULL)
+            close(self.w.wake_fd)
+            pthread_cond_destroy(&self.w.bg_cond)
             close(self.w.epfd)
             pthread_mutex_destroy(&self.w.lock)
             pthread_cond_destroy(&self.w.cond)
@@ -1424,7 +1538,7 @@ cdef class Worker:
         if self.w.reap == NULL:
             return
         with nogil:
-            wlock(self.w)
+            alock(self.w)
             op = self.w.reap
             self.w.reap = NULL
             wunlock(self.w)
@@ -1442,7 +1556,7 @@ cdef class Worker:
     def progress(self):
         """Non-blocking progress of every endpoint and listener."""
         with nogil:
-            wlock(self.w)
+            alock(self.w)
             progress_all(self.w)
             pthread_cond_broadcast(&self.w.cond)
             wunlock(self.w)
@@ -1452,7 +1566,7 @@ cdef class Worker:
         """Prepare fileno() for waiting; False if progress is possible now."""
         cdef int ready
         with nogil:
-            wlock(self.w)
+            alock(self.w)
             ready = arm_all(self.w)
             wunlock(self.w)
         return not ready
@@ -1699,7 +1813,7 @@ cdef class Request:
             return True
         cdef ep_t* ep = self.ep.ep
         with nogil:
-            wlock(self.ep.w)
+            alock(self.ep.w)
             if ep != NULL and ep.state == EP_OPEN:
                 progress_ep(ep)
             final = pred_op_final(self.op)
@@ -1720,11 +1834,17 @@ cdef class Request:
         """Wait until the message has left obj (and raise if it failed)."""
         cdef double deadline = deadline_of(timeout)
         cdef int rc = 0
+        cdef ep_t* ep
         if self.op != NULL:
             glock(self.ep.w)
+            ep = self.ep.ep
+            if ep != NULL:
+                ep.send_waiters += 1
             try:
-                rc = self.ep.worker.wait(pred_op_final, self.op, self.ep.ep, deadline)
+                rc = self.ep.worker.wait(pred_op_final, self.op, ep, deadline)
             finally:
+                if ep != NULL and self.ep.ep != NULL:
+                    ep.send_waiters -= 1
                 wunlock(self.ep.w)
             self.ep.worker.reap()
             if rc == ETIMEDOUT:
@@ -1763,7 +1883,7 @@ cdef class Endpoint:
     def __dealloc__(self):
         if self.ep != NULL:
             with nogil:
-                wlock(self.w)
+                alock(self.w)
                 ep_destroy(self.ep)
                 wunlock(self.w)
             self.ep = NULL
@@ -1819,11 +1939,17 @@ cdef class Endpoint:
         self._check_open()
         op = op_from(obj)
         with nogil:
-            wlock(self.w)
+            alock(self.w)
             ep_submit(self.ep, op)
         try:
             if not pred_op_final(op):
-                self.worker.wait(pred_op_final, op, self.ep, -1.0)
+                # While we wait, the peer's large messages are pulled ahead:
+                # two peers sending to each other must not wait on each other.
+                self.ep.send_waiters += 1
+                try:
+                    self.worker.wait(pred_op_final, op, self.ep, -1.0)
+                finally:
+                    self.ep.send_waiters -= 1
             err = op.err
         finally:
             ep_settle(self.ep)
@@ -1845,7 +1971,7 @@ cdef class Endpoint:
         req.ep = self
         req.nbytes = op.total
         with nogil:
-            wlock(self.w)
+            alock(self.w)
             ep_submit(self.ep, op)
             ep_settle(self.ep)
             wunlock(self.w)
@@ -1980,7 +2106,7 @@ cdef class Endpoint:
         """Progress this endpoint without blocking."""
         self._check_open()
         with nogil:
-            wlock(self.w)
+            alock(self.w)
             progress_ep(self.ep)
             wunlock(self.w)
         self.worker.reap()
@@ -2000,7 +2126,7 @@ cdef class Endpoint:
             dst = <char*>self.async_view.buf
             cap = <size_t>self.async_view.len
         with nogil:
-            wlock(self.w)
+            alock(self.w)
             if not self.ep.posted.active:
                 ep_post(self.ep, dst, cap)
             elif self.ep.posted.dst != dst:

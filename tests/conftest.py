@@ -1,0 +1,127 @@
+"""Shared fixtures. Every endpoint test takes `backend_name`, so each backend
+added later runs the same suite; an unavailable backend is skipped with the
+reason the registry gives."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import fabric
+from fabric import backends
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+ENDPOINT_BACKENDS = [b for b in os.environ.get("FABRIC_TEST_BACKENDS", "tcp,ucx,verbs").split(",") if b]
+
+
+@pytest.fixture(params=ENDPOINT_BACKENDS)
+def backend_name(request):
+    name = request.param
+    ok, reason = backends.available().get(name, (False, "unknown backend"))
+    if not ok:
+        pytest.skip(f"backend {name} unavailable here: {reason}")
+    return name
+
+
+def small_options(**extra):
+    """Small thresholds so boundaries, chunking and credits are exercised
+    with small messages."""
+    opts = dict(eager_limit=4096, chunk_size=16384, chunks_in_flight=3, coalesce_limit=8192,
+                credits=8, send_buffers=4, recv_budget=1 << 20, spin_us=20, close_linger=2.0)
+    opts.update(extra)
+    return opts
+
+
+@pytest.fixture
+def fab(backend_name):
+    return fabric.Fabric(backend_name, **small_options())
+
+
+def connect_pair(fab_a, fab_b=None, address="127.0.0.1:0", timeout=10):
+    """(client, server) endpoints; the handshake runs on both sides at once."""
+    fab_b = fab_b or fab_a
+    lst = fab_b.listen(address)
+    result = {}
+
+    def accept():
+        try:
+            result["server"] = lst.accept(timeout=timeout)
+        except BaseException as e:  # pragma: no cover - reported below
+            result["error"] = e
+
+    t = threading.Thread(target=accept)
+    t.start()
+    client = fab_a.connect(lst.address, timeout=timeout)
+    t.join(timeout)
+    lst.close()
+    if "error" in result:
+        raise result["error"]
+    return client, result["server"]
+
+
+@pytest.fixture
+def pair(fab):
+    client, server = connect_pair(fab, fabric.Fabric(fab.name, **small_options()))
+    yield client, server
+    client.close(linger=0)
+    server.close(linger=0)
+
+
+class Peer:
+    """A peer in another OS process (tests/peers.py); its first stdout line
+    is its address or 'ready'."""
+
+    def __init__(self, role, *args, backend="tcp", env=None):
+        cmd = [sys.executable, os.path.join(HERE, "peers.py"), role, backend, *map(str, args)]
+        full_env = dict(os.environ)
+        full_env["PYTHONPATH"] = ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
+        full_env.update(env or {})
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=full_env)
+        line = self.proc.stdout.readline().strip()
+        if not line:
+            err = self.proc.stderr.read()
+            raise RuntimeError(f"peer {role} failed to start: {err}")
+        self.first_line = line
+
+    def wait(self, timeout=60):
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, err = self.proc.communicate()
+            raise AssertionError(f"peer did not finish: {err}")
+        return self.proc.returncode, out, err
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdout, self.proc.stderr):
+            f.close()
+
+
+@pytest.fixture
+def peer_factory():
+    peers = []
+
+    def make(*args, **kw):
+        p = Peer(*args, **kw)
+        peers.append(p)
+        return p
+
+    yield make
+    for p in peers:
+        p.__exit__(None, None, None)

@@ -1,0 +1,65 @@
+"""Peer processes for the two-process tests: python peers.py ROLE BACKEND ARGS."""
+import hashlib
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import fabric  # noqa: E402
+
+SMALL = dict(eager_limit=4096, chunk_size=16384, chunks_in_flight=3, coalesce_limit=8192,
+             credits=8, send_buffers=4, recv_budget=1 << 20, spin_us=20)
+SMALL.update(json.loads(os.environ.get("FABRIC_TEST_OPTIONS", "{}")))
+
+
+def say(text):
+    print(text, flush=True)
+
+
+def echo(backend, count):
+    """Listen, accept one endpoint, echo `count` messages, then close."""
+    fab = fabric.Fabric(backend, **SMALL)
+    lst = fab.listen("127.0.0.1:0")
+    say(lst.address)
+    ep = lst.accept(timeout=30)
+    for _ in range(int(count)):
+        ep.send(ep.recv(timeout=30))
+    ep.close()
+
+
+def digest_server(backend, count):
+    """Receive `count` messages and answer with the sha256 of each."""
+    fab = fabric.Fabric(backend, **SMALL)
+    lst = fab.listen("127.0.0.1:0")
+    say(lst.address)
+    ep = lst.accept(timeout=30)
+    for _ in range(int(count)):
+        ep.send(hashlib.sha256(ep.recv(timeout=30)).digest())
+    ep.close()
+
+
+def big_sender(backend, address, size):
+    """Connect and start sending one big message, then wait to be killed."""
+    fab = fabric.Fabric(backend, **SMALL)
+    ep = fab.connect(address, timeout=30)
+    data = bytearray(int(size))
+    req = ep.isend(data)
+    say("sending")
+    time.sleep(60)
+    req.wait()
+
+
+def big_receiver(backend, size):
+    """Accept, and start receiving one big message slowly: print, then sleep."""
+    fab = fabric.Fabric(backend, **SMALL)
+    lst = fab.listen("127.0.0.1:0")
+    say(lst.address)
+    ep = lst.accept(timeout=30)
+    time.sleep(60)
+
+
+if __name__ == "__main__":
+    role, backend, *args = sys.argv[1:]
+    globals()[role](backend, *args)

@@ -1,0 +1,455 @@
+"""The endpoint suite: runs on every available backend (see conftest)."""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fabric
+from conftest import connect_pair, small_options
+
+EAGER = small_options()["eager_limit"]
+CHUNK = small_options()["chunk_size"]
+
+
+def payload(size, seed=0):
+    return np.random.default_rng(seed + size).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+BOUNDARY_SIZES = sorted({0, 1, 8, EAGER - 1, EAGER, EAGER + 1, CHUNK - 1, CHUNK, CHUNK + 1,
+                         2 * CHUNK - 1, 2 * CHUNK, 2 * CHUNK + 1, 5 * CHUNK + 7})
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size", BOUNDARY_SIZES)
+def test_round_trip_at_protocol_boundaries(pair, size):
+    client, server = pair
+    data = payload(size)
+    # isend: above eager_limit a send completes only once the peer pulled it
+    req = client.isend(data)
+    got = server.recv(timeout=10)
+    assert len(got) == size and bytes(got) == data
+    req.wait(timeout=10)
+    req = server.isend(got)
+    assert client.recv(timeout=10) == data
+    req.wait(timeout=10)
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.one_of(st.sampled_from(BOUNDARY_SIZES), st.integers(0, 4 * CHUNK)),
+                      min_size=1, max_size=6),
+       use_into=st.booleans())
+def test_property_messages_arrive_whole_and_in_order(fab, sizes, use_into):
+    client, server = connect_pair(fab)
+    try:
+        reqs = [client.isend(payload(s, i)) for i, s in enumerate(sizes)]
+        for i, s in enumerate(sizes):
+            if use_into:
+                buf = bytearray(s + 3)
+                n = server.recv_into(buf, timeout=10)
+                assert n == s and bytes(buf[:n]) == payload(s, i)
+            else:
+                assert server.recv(timeout=10) == payload(s, i)
+        for r in reqs:
+            r.wait(timeout=10)
+    finally:
+        client.close(linger=0)
+        server.close(linger=0)
+
+
+@pytest.mark.timeout(60)
+def test_list_of_buffers_is_one_message(pair):
+    client, server = pair
+    parts = [b"head", memoryview(payload(3 * CHUNK)), bytearray(b"tail"), b""]
+    req = client.isend(parts)
+    assert server.recv(timeout=10) == b"".join(bytes(p) for p in parts)
+    req.wait(timeout=10)
+    client.send((b"a", b"b"))
+    assert server.recv(timeout=10) == b"ab"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size", [0, 100, EAGER + 1, 3 * CHUNK + 5])
+def test_recv_into_numpy_arrays(pair, size):
+    client, server = pair
+    src = np.arange(size // 4 + 1, dtype=np.float32)[: size // 4]
+    req = client.isend(src)
+    dst = np.zeros(size // 4 + 10, dtype=np.float32)
+    n = server.recv_into(dst, timeout=10)
+    assert n == src.nbytes
+    np.testing.assert_array_equal(dst[: src.size], src)
+    req.wait(timeout=10)
+    # a 2-D C-contiguous array goes whole; a non-contiguous one is refused
+    mat = np.arange(64, dtype=np.int64).reshape(8, 8)
+    client.send(mat)
+    back = np.frombuffer(server.recv(timeout=10), dtype=np.int64).reshape(8, 8)
+    np.testing.assert_array_equal(back, mat)
+    with pytest.raises((BufferError, ValueError, TypeError)):
+        client.send(mat[:, ::2])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size", [10, EAGER + 10, 3 * CHUNK])
+def test_recv_into_too_small_keeps_the_message(pair, size):
+    client, server = pair
+    data = payload(size)
+    client.isend(data)
+    small = bytearray(size - 1)
+    with pytest.raises(fabric.MessageTooLarge) as info:
+        server.recv_into(small, timeout=10)
+    assert info.value.size == size
+    big = bytearray(size)
+    assert server.recv_into(big, timeout=10) == size and bytes(big) == data
+
+
+@pytest.mark.timeout(60)
+def test_message_is_a_writable_buffer(pair):
+    client, server = pair
+    client.send(b"hello")
+    m = server.recv(timeout=10)
+    assert isinstance(m, fabric.Message) and len(m) == 5
+    mv = memoryview(m)
+    mv[0] = ord("j")
+    assert bytes(m) == b"jello" and m == b"jello" and m.tobytes() == b"jello"
+
+
+@pytest.mark.timeout(120)
+def test_many_in_flight_mixed_protocols_checksummed_in_order(pair):
+    client, server = pair
+    rng = np.random.default_rng(7)
+    sizes = [int(s) for s in rng.choice([0, 1, 64, EAGER - 1, EAGER + 1, CHUNK + 3, 4 * CHUNK], 300)]
+    messages = [rng.integers(0, 256, s, dtype=np.uint8).tobytes() for s in sizes]
+    received = []
+
+    def drain():
+        for _ in messages:
+            received.append(hashlib.sha256(server.recv(timeout=30)).digest())
+
+    t = threading.Thread(target=drain)
+    t.start()
+    reqs = [client.isend(m) for m in messages]
+    for r in reqs:
+        r.wait(timeout=30)
+    t.join(60)
+    assert received == [hashlib.sha256(m).digest() for m in messages]
+
+
+@pytest.mark.timeout(60)
+def test_small_messages_coalesce_while_fabric_is_busy(pair):
+    client, server = pair
+    # Many tiny isends back to back: more messages than credits allow fabric
+    # sends, so they must be packed into shared fabric messages.
+    n = 2000
+    reqs = [client.isend(i.to_bytes(4, "little")) for i in range(n)]
+    for i in range(n):
+        assert server.recv(timeout=10) == i.to_bytes(4, "little")
+    for r in reqs:
+        r.wait(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_both_sides_send_large_messages_at_once(pair):
+    """Two peers that both send before receiving must not wait on each other."""
+    client, server = pair
+    a, b = payload(4 * CHUNK, 1), payload(4 * CHUNK, 2)
+    out = {}
+    t = threading.Thread(target=lambda: (server.send(b), out.setdefault("s", server.recv(timeout=20))))
+    t.start()
+    client.send(a)
+    assert client.recv(timeout=20) == b
+    t.join(20)
+    assert out["s"] == a
+
+
+@pytest.mark.timeout(60)
+def test_recv_timeout_loses_nothing(pair):
+    client, server = pair
+    with pytest.raises(fabric.Timeout):
+        server.recv(timeout=0.05)
+    with pytest.raises(TimeoutError):          # also a builtin TimeoutError
+        server.recv(timeout=0)
+    client.send(b"late")
+    assert server.recv(timeout=10) == b"late"
+
+
+@pytest.mark.timeout(60)
+def test_recv_into_timeout_mid_rendezvous_keeps_message(pair):
+    client, server = pair
+    data = payload(8 * CHUNK, 3)
+    req = client.isend(data)
+    buf = bytearray(len(data))
+    # Time out while (possibly) pulling into buf; the message must survive.
+    try:
+        n = server.recv_into(buf, timeout=0.0)
+    except fabric.Timeout:
+        n = None
+    if n is None:
+        buf2 = bytearray(len(data))
+        assert server.recv_into(buf2, timeout=10) == len(data) and bytes(buf2) == data
+    else:
+        assert bytes(buf) == data
+    req.wait(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_second_concurrent_recv_is_refused(pair):
+    client, server = pair
+    started = threading.Event()
+    result = {}
+
+    def first():
+        started.set()
+        result["m"] = server.recv(timeout=10)
+
+    t = threading.Thread(target=first)
+    t.start()
+    started.wait()
+    time.sleep(0.1)
+    with pytest.raises(fabric.BusyError):
+        server.recv(timeout=1)
+    client.send(b"x")
+    t.join(10)
+    assert result["m"] == b"x"
+
+
+@pytest.mark.timeout(60)
+def test_isend_request_states(pair):
+    client, server = pair
+    data = payload(3 * CHUNK)
+    req = client.isend(data)
+    assert req.nbytes == len(data)
+    assert server.recv(timeout=10) == data
+    req.wait(timeout=10)
+    assert req.done() and req.error is None
+
+
+@pytest.mark.timeout(60)
+def test_dropped_request_keeps_its_buffer_alive(pair):
+    client, server = pair
+    data = bytearray(payload(4 * CHUNK))
+    expected = bytes(data)
+    client.isend(data)        # request dropped at once; the engine keeps the buffer
+    del data
+    assert server.recv(timeout=10) == expected
+
+
+@pytest.mark.timeout(60)
+def test_peer_close_drains_then_reports_closed(pair):
+    client, server = pair
+    client.send(b"one")
+    client.isend(payload(2 * CHUNK))
+    client.close()
+    assert server.recv(timeout=10) == b"one"
+    assert len(server.recv(timeout=10)) == 2 * CHUNK
+    with pytest.raises(fabric.ConnectionClosed):
+        server.recv(timeout=10)
+    with pytest.raises(fabric.ConnectionClosed):
+        server.send(b"too late")
+
+
+@pytest.mark.timeout(60)
+def test_close_is_idempotent_and_fails_later_calls(pair):
+    client, server = pair
+    client.close()
+    client.close()
+    with pytest.raises(fabric.ConnectionClosed):
+        client.send(b"x")
+    with pytest.raises(fabric.ConnectionClosed):
+        client.recv(timeout=1)
+
+
+@pytest.mark.timeout(60)
+def test_context_managers(fab):
+    with fab.listen("127.0.0.1:0") as lst:
+        result = {}
+        t = threading.Thread(target=lambda: result.setdefault("ep", lst.accept(timeout=10)))
+        t.start()
+        with fab.connect(lst.address, timeout=10) as ep:
+            t.join(10)
+            with result["ep"] as server:
+                ep.send(b"ctx")
+                assert server.recv(timeout=10) == b"ctx"
+        assert ep.closed
+
+
+@pytest.mark.timeout(60)
+def test_ipv6_loopback(backend_name):
+    if not os.path.exists("/proc/net/if_inet6"):
+        pytest.skip("this machine has no IPv6 stack")
+    fab = fabric.Fabric(backend_name, **small_options())
+    try:
+        client, server = connect_pair(fab, address="[::1]:0")
+    except fabric.FabricError as e:
+        pytest.skip(f"IPv6 loopback not usable here: {e}")
+    except OSError as e:
+        pytest.skip(f"IPv6 loopback not usable here: {e}")
+    assert client.peer_address.startswith("[::1]:")
+    req = client.isend(payload(3 * CHUNK))
+    assert server.recv(timeout=10) == payload(3 * CHUNK)
+    req.wait(timeout=10)
+    client.close()
+    server.close()
+
+
+@pytest.mark.timeout(60)
+def test_connect_refused_and_timeouts(backend_name):
+    fab = fabric.Fabric(backend_name, **small_options())
+    lst = fab.listen("127.0.0.1:0")
+    address = lst.address
+    lst.close()
+    with pytest.raises(fabric.ConnectionLost):
+        fab.connect(address, timeout=5)
+    lst = fab.listen("127.0.0.1:0")
+    with pytest.raises(fabric.Timeout):
+        lst.accept(timeout=0.05)
+    lst.close()
+
+
+@pytest.mark.timeout(60)
+def test_slow_receiver_bounds_memory_on_both_sides(pair):
+    client, server = pair
+    opts = small_options()
+    # The receiver does not receive: the sender's copies stop at send_buffers,
+    # the receiver's buffered bytes at about recv_budget plus its credits.
+    reqs = [client.isend(payload(EAGER // 2, i)) for i in range(3000)]
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        client._poll()
+        server._poll()
+    stats_c, stats_s = client.stats(), server.stats()
+    assert stats_c["send_buffers"] <= opts["send_buffers"] + 2
+    bound = opts["recv_budget"] + opts["credits"] * (opts["coalesce_limit"] + 4096)
+    assert stats_s["buffered_bytes"] <= bound
+    assert sum(r.done() for r in reqs) < len(reqs), "sender must have been held back"
+    for i in range(3000):
+        assert server.recv(timeout=10) == payload(EAGER // 2, i)
+    for r in reqs:
+        r.wait(timeout=10)
+
+
+@pytest.mark.timeout(90)
+def test_two_processes_echo_all_protocols(backend_name, peer_factory):
+    sizes = [0, 1, EAGER, EAGER + 1, 3 * CHUNK + 1, 1 << 20]
+    peer = peer_factory("echo", len(sizes), backend=backend_name)
+    fab = fabric.Fabric(backend_name, **small_options())
+    ep = fab.connect(peer.first_line, timeout=20)
+    for s in sizes:
+        ep.send(payload(s))
+        assert ep.recv(timeout=20) == payload(s)
+    ep.close()
+    assert peer.wait()[0] == 0
+
+
+@pytest.mark.timeout(90)
+def test_peer_killed_mid_rendezvous_fails_pending_ops(backend_name, peer_factory):
+    """Receiver side: the sender dies while its big message is being pulled."""
+    fab = fabric.Fabric(backend_name, **small_options())
+    lst = fab.listen("127.0.0.1:0")
+    # many small chunks, one in flight: the transfer takes long enough to be cut
+    peer = peer_factory("big_sender", lst.address, 256 << 20, backend=backend_name,
+                        env={"FABRIC_TEST_OPTIONS": '{"chunk_size": 4096, "chunks_in_flight": 1}'})
+    ep = lst.accept(timeout=20)
+    buf = bytearray(256 << 20)
+    errors = []
+
+    def receive():
+        try:
+            ep.recv_into(buf, timeout=60)
+        except fabric.FabricError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=receive)
+    t.start()
+    time.sleep(0.3)
+    peer.kill()
+    started = time.monotonic()
+    t.join(20)
+    assert not t.is_alive()
+    assert errors and isinstance(errors[0], fabric.ConnectionLost)
+    assert time.monotonic() - started < 10
+    # the listener keeps serving others
+    other = threading.Thread(target=lambda: errors.append(lst.accept(timeout=10)))
+    other.start()
+    ep2 = fab.connect(lst.address, timeout=10)
+    other.join(10)
+    server2 = errors[-1]
+    ep2.send(b"still here")
+    assert server2.recv(timeout=10) == b"still here"
+    for e in (ep, ep2, server2):
+        e.close(linger=0)
+    lst.close()
+
+
+@pytest.mark.timeout(90)
+def test_receiver_killed_fails_pending_send(backend_name, peer_factory):
+    """Sender side: the receiver dies before pulling the message."""
+    peer = peer_factory("big_receiver", 64 << 20, backend=backend_name)
+    fab = fabric.Fabric(backend_name, **small_options())
+    ep = fab.connect(peer.first_line, timeout=20)
+    req = ep.isend(bytearray(8 << 20))
+    time.sleep(0.2)
+    peer.kill()
+    started = time.monotonic()
+    with pytest.raises(fabric.ConnectionLost):
+        req.wait(timeout=20)
+    assert time.monotonic() - started < 10
+    with pytest.raises(fabric.ConnectionLost):
+        ep.send(b"x")
+    ep.close()
+
+
+@pytest.mark.timeout(60)
+def test_many_endpoints_on_one_fabric_from_threads(backend_name):
+    fab = fabric.Fabric(backend_name, **small_options())
+    other = fabric.Fabric(backend_name, **small_options())
+    pairs = [connect_pair(fab, other) for _ in range(6)]
+    errors = []
+
+    def run(i, c, s):
+        try:
+            for k in range(30):
+                data = payload((k * 997 + i) % (3 * CHUNK), i)
+                c.send(data)
+                assert s.recv(timeout=20) == data
+        except BaseException as e:  # pragma: no cover
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i, c, s)) for i, (c, s) in enumerate(pairs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(50)
+    assert not errors
+    for c, s in pairs:
+        c.close(linger=0)
+        s.close(linger=0)
+
+
+@pytest.mark.timeout(60)
+def test_dlpack_tensors_are_sent_without_the_buffer_protocol(pair):
+    client, server = pair
+
+    class Tensor:  # a DLPack producer that does not export a buffer
+        def __init__(self, arr):
+            self.arr = arr
+
+        def __dlpack__(self, **kw):
+            return self.arr.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self.arr.__dlpack_device__()
+
+    arr = np.arange(1000, dtype=np.float64)
+    client.send(Tensor(arr[:100]))
+    np.testing.assert_array_equal(np.frombuffer(server.recv(timeout=10), dtype=np.float64), arr[:100])
+    client.isend(Tensor(arr))
+    np.testing.assert_array_equal(np.frombuffer(server.recv(timeout=10), dtype=np.float64), arr)
+    with pytest.raises(TypeError):
+        client.send(object())
