@@ -23,20 +23,34 @@ class _Driver:
         self.loop = loop
         self.waiters: set = set()
         self.fd = worker.fileno()
+        self.notify_fd = worker.notify_fileno()
         self.watching = False
 
     def _on_ready(self):
         self.worker.progress()
         self._wake()
 
+    def _on_notified(self):
+        self.worker.loop_watch(True)       # drains the notification
+        self._on_ready()
+
+    def _watch(self, on):
+        if on and not self.watching:
+            self.worker.loop_watch(True)
+            self.loop.add_reader(self.fd, self._on_ready)
+            self.loop.add_reader(self.notify_fd, self._on_notified)
+            self.watching = True
+        elif not on and self.watching:
+            self.loop.remove_reader(self.fd)
+            self.loop.remove_reader(self.notify_fd)
+            self.worker.loop_watch(False)
+            self.watching = False
+
     def _wake(self):
         waiters, self.waiters = self.waiters, set()
         for fut in waiters:
             if not fut.done():
                 fut.set_result(None)
-        if not self.waiters and self.watching:
-            self.loop.remove_reader(self.fd)
-            self.watching = False
 
     async def wait(self, deadline=None):
         """Return after the next round of progress (or at once if progress is
@@ -48,9 +62,7 @@ class _Driver:
             raise Timeout("operation timed out")
         fut = self.loop.create_future()
         self.waiters.add(fut)
-        if not self.watching:
-            self.loop.add_reader(self.fd, self._on_ready)
-            self.watching = True
+        self._watch(True)
         handle = None
         if deadline is not None:
             handle = self.loop.call_at(deadline, lambda: fut.done() or fut.set_result(None))
@@ -60,9 +72,14 @@ class _Driver:
             self.waiters.discard(fut)
             if handle is not None:
                 handle.cancel()
-            if not self.waiters and self.watching:
-                self.loop.remove_reader(self.fd)
-                self.watching = False
+            if not self.waiters:
+                # Stop watching only after this turn of the loop: a waiter
+                # that re-checks and waits again keeps the watch without churn.
+                self.loop.call_soon(self._maybe_unwatch)
+
+    def _maybe_unwatch(self):
+        if not self.waiters:
+            self._watch(False)
 
 
 def driver(worker) -> _Driver:

@@ -180,4 +180,6 @@ cdef struct worker_t:
     int bg_state
     int bg_stop
     int wake_fd
+    int notify_fd               # written after progress by other threads while a loop waits
+    int loop_polling            # an asyncio loop watches epfd (it is the poller)
     double last_app

@@ -1260,6 +1260,13 @@ cdef int arm_all(worker_t* w) noexcept nogil:
             ep.armed = events
     return ready
 
+cdef inline void notify_loop(worker_t* w) noexcept nogil:
+    """Progress made outside the event loop may have finished what its
+    coroutines wait for: make the loop look."""
+    cdef uint64_t one = 1
+    if w.loop_polling:
+        write(w.notify_fd, &one, 8)
+
 cdef void drain_wake(worker_t* w) noexcept nogil:
     cdef uint64_t junk
     read(w.wake_fd, &junk, 8)
@@ -1285,6 +1292,14 @@ cdef void* progress_thread_main(void* arg) noexcept nogil:
             pthread_cond_wait(&w.bg_cond, &w.lock)
             continue
         now = monotonic_now()
+        if w.loop_polling and now - w.last_app < 1.0:
+            # An event loop polls for us. Should it stop running without
+            # saying so, we take over after a second (and notify it).
+            w.bg_state = BG_BEHIND_POLLER
+            clock_gettime(CLOCK_MONOTONIC, &ts)
+            ts.tv_sec += 1
+            pthread_cond_timedwait(&w.bg_cond, &w.lock, &ts)
+            continue
         resume = w.last_app + BG_GRACE
         if now < resume:
             w.bg_state = BG_WATCHING
@@ -1313,6 +1328,7 @@ cdef void* progress_thread_main(void* arg) noexcept nogil:
             if node != NULL:
                 progress_node(w, node)
         pthread_cond_broadcast(&w.cond)
+        notify_loop(w)
     w.bg_state = 0
     wunlock(w)
     return NULL
@@ -1379,6 +1395,7 @@ cdef int worker_wait(worker_t* w, pred_fn pred, void* arg, ep_t* hint, double de
                     if node != NULL:
                         progress_node(w, node)
             pthread_cond_broadcast(&w.cond)
+            notify_loop(w)
         else:
             if w.bg_state == BG_POLLING:
                 write(w.wake_fd, &one, 8)     # the application takes over polling
@@ -1495,7 +1512,8 @@ cdef class Worker:
         o.progress_thread = int(options.get("progress_thread", 1))
         self.pid = getpid()
         self.w.wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
-        if self.w.wake_fd < 0:
+        self.w.notify_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
+        if self.w.wake_fd < 0 or self.w.notify_fd < 0:
             raise OSError(errno, "eventfd failed")
         cdef epoll_event ev
         ev.events = EPOLLIN
@@ -1521,6 +1539,7 @@ cdef class Worker:
                     wunlock(self.w)
                     pthread_join(self.w.bg_thread, NULL)
             close(self.w.wake_fd)
+            close(self.w.notify_fd)
             pthread_cond_destroy(&self.w.bg_cond)
             close(self.w.epfd)
             pthread_mutex_destroy(&self.w.lock)
@@ -1552,6 +1571,22 @@ cdef class Worker:
     def fileno(self):
         """The epoll descriptor: readable when progress() may have work."""
         return self.w.epfd
+
+    def notify_fileno(self):
+        """Readable when another thread made progress while a loop watches."""
+        return self.w.notify_fd
+
+    def loop_watch(self, bint on):
+        """An event loop starts (True) or stops (False) polling fileno();
+        while it does, the progress thread leaves the polling to it."""
+        cdef uint64_t junk
+        with nogil:
+            alock(self.w)
+            self.w.loop_polling = on
+            if not on:
+                pthread_cond_signal(&self.w.bg_cond)
+            read(self.w.notify_fd, &junk, 8)
+            wunlock(self.w)
 
     def progress(self):
         """Non-blocking progress of every endpoint and listener."""
@@ -1697,6 +1732,9 @@ cdef class Message:
 
     def __bytes__(self):
         return self.data[:self.length]
+
+    def __getitem__(self, key):
+        return memoryview(self)[key]
 
     def tobytes(self):
         return self.data[:self.length]

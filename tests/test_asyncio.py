@@ -1,0 +1,120 @@
+"""asyncio variants: they work inside a running loop without blocking it."""
+import asyncio
+
+import numpy as np
+import pytest
+
+import fabric
+from conftest import small_options
+
+EAGER = small_options()["eager_limit"]
+CHUNK = small_options()["chunk_size"]
+
+
+async def apair(backend_name):
+    fab = fabric.Fabric(backend_name, **small_options())
+    other = fabric.Fabric(backend_name, **small_options())
+    lst = other.listen("127.0.0.1:0")
+    server_task = asyncio.ensure_future(lst.aaccept(timeout=10))
+    client = await fab.aconnect(lst.address, timeout=10)
+    server = await server_task
+    lst.close()
+    return client, server
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+@pytest.mark.timeout(90)
+def test_async_round_trips_all_protocols(backend_name):
+    async def main():
+        client, server = await apair(backend_name)
+        for size in [0, 5, EAGER, EAGER + 1, 3 * CHUNK + 1, 1 << 20]:
+            data = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8).tobytes()
+            send = asyncio.ensure_future(client.asend(data))
+            assert await server.arecv(timeout=10) == data
+            await send
+            buf = bytearray(size)
+            send = asyncio.ensure_future(server.asend(data))
+            assert await client.arecv_into(buf, timeout=10) == size and bytes(buf) == data
+            await send
+        await client.aclose()
+        await server.aclose()
+    run(main())
+
+
+@pytest.mark.timeout(90)
+def test_loop_keeps_running_during_transfers(backend_name):
+    async def main():
+        client, server = await apair(backend_name)
+        ticks = 0
+        stop = False
+
+        async def ticker():
+            nonlocal ticks
+            while not stop:
+                ticks += 1
+                await asyncio.sleep(0.001)
+
+        t = asyncio.ensure_future(ticker())
+        recv = asyncio.ensure_future(server.arecv(timeout=20))
+        await asyncio.sleep(0.05)            # nothing sent yet: the loop must keep ticking
+        assert ticks > 5 and not recv.done()
+        big = bytes(8 << 20)
+        await client.asend(big)
+        assert len(await recv) == len(big)
+        stop = True
+        await t
+        client.close()
+        server.close()
+    run(main())
+
+
+@pytest.mark.timeout(90)
+def test_concurrent_receivers_are_served_in_order(backend_name):
+    async def main():
+        client, server = await apair(backend_name)
+        receivers = [asyncio.ensure_future(server.arecv(timeout=10)) for _ in range(20)]
+        await asyncio.sleep(0)
+        for i in range(20):
+            await client.asend(i.to_bytes(2, "little") * (i * 500))
+        got = await asyncio.gather(*receivers)
+        assert [len(g) for g in got] == [i * 1000 for i in range(20)]
+        assert [bytes(g[:2]) for g in got[1:]] == [i.to_bytes(2, "little") for i in range(1, 20)]
+        client.close()
+        server.close()
+    run(main())
+
+
+@pytest.mark.timeout(90)
+def test_timeout_and_cancellation_lose_nothing(backend_name):
+    async def main():
+        client, server = await apair(backend_name)
+        with pytest.raises(fabric.Timeout):
+            await server.arecv(timeout=0.05)
+        task = asyncio.ensure_future(server.arecv_into(bytearray(4 * CHUNK)))
+        await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        data = bytes(range(256)) * (4 * CHUNK // 256)
+        req = client.isend(data)
+        assert await server.arecv(timeout=10) == data
+        await req
+        client.close()
+        server.close()
+    run(main())
+
+
+@pytest.mark.timeout(90)
+def test_async_peer_close_is_reported(backend_name):
+    async def main():
+        client, server = await apair(backend_name)
+        await client.asend(b"bye")
+        await client.aclose()
+        assert await server.arecv(timeout=10) == b"bye"
+        with pytest.raises(fabric.ConnectionClosed):
+            await server.arecv(timeout=10)
+        server.close()
+    run(main())

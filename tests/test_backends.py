@@ -1,0 +1,46 @@
+"""Backend selection and the reasons given for unavailable backends."""
+import pytest
+
+import fabric
+from fabric import backends
+
+
+def test_auto_picks_a_usable_backend(monkeypatch):
+    monkeypatch.delenv("FABRIC_BACKEND", raising=False)
+    fab = fabric.Fabric()
+    assert fab.name in backends.KNOWN
+
+
+def test_environment_variable_selects(monkeypatch):
+    monkeypatch.setenv("FABRIC_BACKEND", "tcp")
+    assert fabric.Fabric().name == "tcp"
+
+
+def test_unknown_backend_lists_what_exists():
+    with pytest.raises(fabric.BackendUnavailable) as info:
+        fabric.Fabric("carrier-pigeon")
+    text = str(info.value)
+    assert "carrier-pigeon" in text and "tcp: available" in text
+
+
+@pytest.mark.parametrize("name", ["ucx", "verbs", "softroce"])
+def test_unavailable_backends_say_why(name):
+    key = "verbs" if name == "softroce" else name
+    ok, reason = backends.available()[key]
+    if ok:
+        pytest.skip(f"{name} is available here")
+    with pytest.raises(fabric.BackendUnavailable) as info:
+        fabric.Fabric(name)
+    assert reason in str(info.value) and "tcp: available" in str(info.value)
+
+
+def test_address_parsing():
+    from fabric.address import parse
+    assert parse("127.0.0.1:5") == ("127.0.0.1", 5)
+    assert parse("[::1]:80") == ("::1", 80)
+    assert parse("tcp://h:1", "tcp") == ("h", 1)
+    for bad in ["nohost", "::1:80", "h:99999", "[::1]80"]:
+        with pytest.raises(ValueError):
+            parse(bad)
+    with pytest.raises(ValueError, match="names backend"):
+        parse("ucx://h:1", "tcp")

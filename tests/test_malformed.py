@@ -1,0 +1,201 @@
+"""Hostile and broken peers, at the TCP fabric's wire level: bad input closes
+that connection with a fabric error; the listener and other connections keep
+working; memory is readable only while it is offered, and only in range."""
+import os
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+import fabric
+from fabric.protocol import frame
+from conftest import connect_pair, small_options
+
+MSG, READ_REQ, READ_RESP, READ_ERR = 1, 2, 3, 4
+
+
+def wire(kind, body=b"", ident=0, length=None):
+    return struct.pack("<BBHIQ", 0xFA, kind, 0, len(body) if length is None else length, ident) + body
+
+
+class RawPeer:
+    """Speaks the TCP fabric framing by hand."""
+
+    def __init__(self, address):
+        host, port = address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=10)
+        self.buf = b""
+
+    def read_exact(self, n):
+        while len(self.buf) < n:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise EOFError("closed")
+            self.buf += chunk
+        out, self.buf = self.buf[:n], self.buf[n:]
+        return out
+
+    def read_wire(self):
+        magic, kind, _, length, ident = struct.unpack("<BBHIQ", self.read_exact(16))
+        assert magic == 0xFA
+        return kind, ident, self.read_exact(length)
+
+    def handshake(self):
+        kind, _, body = self.read_wire()
+        assert kind == MSG and frame.decode(body)[0]["type"] == "HELLO"
+        self.sock.sendall(wire(MSG, frame.encode_hello(70000, 8, 1 << 30)))
+
+    def closed_by_peer(self, timeout=10):
+        self.sock.settimeout(timeout)
+        try:
+            while True:
+                if not self.sock.recv(65536):
+                    return True
+        except socket.timeout:
+            return False
+        except ConnectionResetError:
+            return True
+
+    def close(self):
+        self.sock.close()
+
+
+@pytest.fixture
+def served():
+    """A listener whose accept loop runs in a thread, collecting endpoints."""
+    fab = fabric.Fabric("tcp", **small_options(handshake_timeout=2.0))
+    lst = fab.listen("127.0.0.1:0")
+    accepted = []
+    stop = threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            try:
+                accepted.append(lst.accept(timeout=0.2))
+            except fabric.Timeout:
+                pass
+            except fabric.ConnectionClosed:
+                return
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    yield fab, lst, accepted
+    stop.set()
+    t.join(5)
+    for ep in accepted:
+        ep.close(linger=0)
+    lst.close()
+
+
+def assert_listener_works(fab, lst, accepted):
+    n = len(accepted)
+    client = fabric.Fabric("tcp", **small_options()).connect(lst.address, timeout=10)
+    deadline = time.monotonic() + 10
+    while len(accepted) == n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(accepted) > n, "listener stopped accepting"
+    client.send(b"ping")
+    assert accepted[-1].recv(timeout=10) == b"ping"
+    client.close(linger=0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("garbage", [
+    os.urandom(4096),
+    b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+    wire(MSG, length=1 << 30),                        # oversized fabric message
+    wire(MSG, b"\x00" * 64),                          # not a frame
+    wire(7, b""),                                     # unknown TCP fabric kind
+    wire(MSG, frame.encode_eager(1, b"early")),       # data before HELLO
+])
+def test_garbage_never_reaches_accept_and_listener_survives(served, garbage):
+    fab, lst, accepted = served
+    raw = RawPeer(lst.address)
+    raw.sock.sendall(garbage)
+    assert raw.closed_by_peer()
+    raw.close()
+    assert accepted == []
+    assert_listener_works(fab, lst, accepted)
+
+
+@pytest.mark.timeout(60)
+def test_silent_client_is_dropped_after_handshake_timeout(served):
+    fab, lst, accepted = served
+    raw = RawPeer(lst.address)
+    started = time.monotonic()
+    assert raw.closed_by_peer(timeout=15)
+    assert time.monotonic() - started < 10
+    raw.close()
+    assert_listener_works(fab, lst, accepted)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bad", [
+    wire(MSG, frame.encode_eager(5, b"out of sequence")),
+    wire(MSG, frame.encode_rndv(1, 3, 100, 0, 0, 10, b"k" * 8)),    # chunk of unknown message
+    wire(MSG, frame.encode_header(frame.TYPES["CHUNK_DONE"], 0, 0, 9)),  # ack of nothing
+    wire(MSG, frame.encode_hello(70000, 8, 1)),                         # second HELLO
+    wire(MSG, frame.encode_rndv(1, 0, 1 << 50, 0, 0, 10, b"k" * 8)),    # above max_message
+    wire(READ_RESP, b"x" * 10, ident=77),                               # answer to no request
+    wire(MSG, b"\xfb\x01\x02\x00" + b"\xff" * 20),                     # frame longer than message
+])
+def test_protocol_violation_closes_only_that_connection(served, bad):
+    fab, lst, accepted = served
+    raw = RawPeer(lst.address)
+    raw.handshake()
+    deadline = time.monotonic() + 10
+    while not accepted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ep = accepted[0]
+    raw.sock.sendall(bad)
+    with pytest.raises((fabric.ProtocolError, fabric.ConnectionLost)):
+        ep.recv(timeout=10)
+    assert ep.closed
+    raw.close()
+    assert_listener_works(fab, lst, accepted)
+
+
+@pytest.mark.timeout(60)
+def test_forged_or_stale_keys_and_out_of_range_reads_are_refused(served):
+    fab, lst, accepted = served
+    raw = RawPeer(lst.address)
+    raw.handshake()
+    deadline = time.monotonic() + 10
+    while not accepted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ep = accepted[0]
+    secret = os.urandom(100_000)
+    req = ep.isend(secret)            # above eager_limit: announced by RNDV frames
+    frames = []
+    while not frames or frames[-1]["type"] != "RNDV":
+        kind, _, body = raw.read_wire()
+        assert kind == MSG
+        frames += [f for f in frame.decode(body) if f["type"] == "RNDV"]
+    chunk = frames[0]
+    key = chunk["rkey"]
+    raddr, length = chunk["raddr"], chunk["length"]
+
+    def read(addr, n, k, ident):
+        raw.sock.sendall(wire(READ_REQ, struct.pack("<QQ", addr, n) + k, ident=ident))
+        while True:
+            kind, got_ident, body = raw.read_wire()
+            if kind in (READ_RESP, READ_ERR) and got_ident == ident:
+                return kind, body
+
+    assert read(raddr, length, key, 1) == (READ_RESP, secret[:length])      # offered: readable
+    assert read(raddr, length + 1, key, 2)[0] == READ_ERR                   # past the region
+    assert read(raddr - 8, 16, key, 3)[0] == READ_ERR                       # before the region
+    forged = bytes([key[0] ^ 1]) + key[1:]
+    assert read(raddr, 16, forged, 4)[0] == READ_ERR                        # not its key
+    assert read(raddr + length, 16, key, 5)[0] == READ_ERR                  # next chunk, this key
+    # release the chunk: its key must stop working at once
+    raw.sock.sendall(wire(MSG, frame.encode_header(frame.TYPES["CHUNK_DONE"], 0, 0, chunk["msg_id"], 0, 0)))
+    time.sleep(0.2)
+    assert read(raddr, 16, key, 6)[0] == READ_ERR
+    raw.close()
+    with pytest.raises(fabric.ConnectionLost):
+        req.wait(timeout=10)
+    assert_listener_works(fab, lst, accepted)
