@@ -86,6 +86,7 @@ cdef struct fab_channel:
     size_t max_recv                # largest fabric message the engine accepts
     int send_depth                 # pending sends after which the engine holds (and coalesces)
     int failed
+    uint64_t activity              # bumped whenever bytes move; waits keep spinning while it changes
     char error[FAB_ERROR_TEXT]
     char local_name[64]
     char peer_name[64]

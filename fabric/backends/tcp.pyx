@@ -208,6 +208,7 @@ cdef int flush_sends(tcp_chan* c) noexcept nogil:
                 continue
             return fab_fail(&c.base, errno, "send failed")
         advance_iov(s, <size_t>r)
+        c.base.activity += 1
     return 0
 
 
@@ -459,6 +460,7 @@ cdef int recv_payload(tcp_chan* c, fab_completion* out, int n) noexcept nogil:
             fab_fail(&c.base, errno, "recv failed")
             return n
         c.cur_done += <size_t>got
+        c.base.activity += 1
         want = r.length - c.cur_done
     c.cur_read = NULL
     if not r.canceled:
@@ -571,6 +573,7 @@ cdef int tcp_poll(fab_channel* ch, fab_completion* out, int max_events) noexcept
         got = recv(ch.fd, c.rbuf + c.rlen, c.rcap - c.rlen, MSG_DONTWAIT)
         if got > 0:
             c.rlen += <size_t>got
+            ch.activity += 1
             continue
         if got == 0:
             fab_fail(ch, ECONNRESET, "peer closed the connection")

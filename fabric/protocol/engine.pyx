@@ -1350,6 +1350,7 @@ cdef int worker_wait(worker_t* w, pred_fn pred, void* arg, ep_t* hint, double de
     cdef node_t* node
     cdef timespec ts
     cdef uint64_t one = 1
+    cdef uint64_t activity
     while True:
         if pred(arg):
             return 0
@@ -1360,7 +1361,10 @@ cdef int worker_wait(worker_t* w, pred_fn pred, void* arg, ep_t* hint, double de
         if now >= slice_end:
             return EINTR
         if hint != NULL and now < spin_end and (hint.state == EP_OPEN or hint.state == EP_HANDSHAKE):
+            activity = hint.ch.activity
             progress_ep(hint)
+            if hint.ch != NULL and hint.ch.activity != activity:
+                spin_end = now + w.opts.spin     # data is moving: keep polling
             if hint.listener != NULL:
                 listener_sweep(hint.listener)
             if pred(arg):

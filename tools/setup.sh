@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs what fabric needs on a fresh Debian machine (as root) and builds it:
+# system packages, a venv in .venv, Python packages, the Cython extensions.
+# Idempotent: a second run only rebuilds what changed. Usage: tools/setup.sh [extras]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EXTRAS="${1:-test}"
+export DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1
+
+need=()
+command -v gcc >/dev/null || need+=(build-essential)
+command -v ip >/dev/null || need+=(iproute2)
+PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3 || true)}"
+if [ -z "$PYTHON" ]; then need+=(python3 python3-venv python3-dev); fi
+if [ -n "$PYTHON" ] && ! "$PYTHON" -c "import venv, ensurepip" 2>/dev/null; then need+=(python3-venv); fi
+if [ -n "$PYTHON" ] && ! "$PYTHON" -c "import sysconfig,os,sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'],'Python.h')))"; then
+    need+=(python3-dev)
+fi
+if [ ${#need[@]} -gt 0 ]; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && apt-get install -y -qq "${need[@]}" >/dev/null
+    else
+        echo "setup: missing ${need[*]}; run as root or install them" >&2; exit 1
+    fi
+    PYTHON="${PYTHON:-$(command -v python3)}"
+fi
+
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip setuptools wheel "Cython>=3.0" 2>&1 | grep -v "^WARNING: Location" || true
+# Editable install: the Cython build runs here and rebuilds changed modules.
+.venv/bin/python -m pip install -q --no-build-isolation -e ".[${EXTRAS}]" 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -c "import fabric; print('fabric', fabric.__version__, 'backends:', {k: v[0] for k, v in fabric.available_backends().items()})"
