@@ -27,8 +27,17 @@ HDR = struct.Struct("<QB")
 MAX = 64 << 20
 
 
-def start_server(kind):
+def parse_contender(spec):
+    """'tcp' or 'tcp@spin_us=0,eager_limit=1M': backend and option overrides."""
+    backend, _, rest = spec.partition("@")
+    opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+    return backend, opts
+
+
+def start_server(kind, options=None):
     env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE))
+    for k, v in (options or {}).items():
+        env["FABRIC_" + k.upper()] = v
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, "servers.py"), kind],
                             stdout=subprocess.PIPE, text=True, env=env)
     address = proc.stdout.readline().strip()
@@ -42,9 +51,9 @@ def iterations(size, budget_bytes=256 << 20, lo=5, hi=2000):
 
 
 class FabricClient:
-    def __init__(self, backend, address):
+    def __init__(self, backend, address, options=None):
         import fabric
-        self.fab = fabric.Fabric(backend)
+        self.fab = fabric.Fabric(backend, **(options or {}))
         self.ep = self.fab.connect(address, timeout=30)
         self.buf = bytearray(MAX)
 
@@ -168,10 +177,11 @@ class ZmqClient:
 
 def make_clients(backends, peers):
     servers, clients = [], {}
-    for b in backends:
-        proc, addr = start_server(f"fabric-{b}")
+    for spec in backends:
+        b, opts = parse_contender(spec)
+        proc, addr = start_server(f"fabric-{b}", opts)
         servers.append(proc)
-        clients[f"fabric/{b}"] = FabricClient(b, addr)
+        clients[f"fabric/{spec}"] = FabricClient(b, addr, opts)
     for kind, cls in (("socket", SocketClient), ("grpc", GrpcClient), ("zmq", ZmqClient)):
         if kind in peers:
             proc, addr = start_server(kind)
@@ -182,7 +192,8 @@ def make_clients(backends, peers):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backends", default="tcp")
+    ap.add_argument("--backends", default="tcp",
+                    help="fabric contenders: backend[@option=value,...], comma-separated by ';'")
     ap.add_argument("--peers", default="socket,grpc,zmq")
     ap.add_argument("--sizes", default=",".join(str(1 << k) for k in range(3, 27, 1)))
     ap.add_argument("--rounds", type=int, default=5)
@@ -190,7 +201,7 @@ def main(argv=None):
     ap.add_argument("--stream-count", type=int, default=16)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    backends = [b for b in args.backends.split(",") if b]
+    backends = [b for b in args.backends.split(";") if b]
     peers = [p for p in args.peers.split(",") if p]
     sizes = [int(s) for s in args.sizes.split(",")]
     servers, clients = make_clients(backends, peers)

@@ -29,6 +29,32 @@ def echo(backend, count):
     ep.close()
 
 
+def echo_at(backend, address, count):
+    """echo(), listening on a given address (for the namespace test)."""
+    fab = fabric.Fabric(backend, **SMALL)
+    lst = fab.listen(address)
+    say(lst.address)
+    ep = lst.accept(timeout=30)
+    for _ in range(int(count)):
+        ep.send(ep.recv(timeout=30))
+    ep.close()
+
+
+def echo_client(backend, address, sizes):
+    """Connect, send each size, check the echo; exit 0 if all match."""
+    fab = fabric.Fabric(backend, **SMALL)
+    ep = fab.connect(address, timeout=30)
+    say("connected " + ep.local_address + " -> " + ep.peer_address)
+    for size in map(int, sizes.split(",")):
+        data = os.urandom(size)
+        req = ep.isend(data)
+        if ep.recv(timeout=30) != data:
+            raise SystemExit(f"echo of {size} bytes differs")
+        req.wait(timeout=30)
+    ep.close()
+    say("ok")
+
+
 def digest_server(backend, count):
     """Receive `count` messages and answer with the sha256 of each."""
     fab = fabric.Fabric(backend, **SMALL)
