@@ -453,3 +453,35 @@ def test_dlpack_tensors_are_sent_without_the_buffer_protocol(pair):
     np.testing.assert_array_equal(np.frombuffer(server.recv(timeout=10), dtype=np.float64), arr)
     with pytest.raises(TypeError):
         client.send(object())
+
+
+@pytest.mark.timeout(60)
+def test_close_from_another_thread_wakes_blocked_calls(pair, fab):
+    client, server = pair
+    errors = []
+
+    def blocked_recv():
+        try:
+            server.recv(timeout=30)
+        except fabric.FabricError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=blocked_recv)
+    t.start()
+    time.sleep(0.2)
+    started = time.monotonic()
+    server.close()
+    t.join(10)
+    assert not t.is_alive() and time.monotonic() - started < 5
+    assert isinstance(errors[0], fabric.ConnectionClosed)
+    # the same for a listener blocked in accept()
+    lst = fab.listen("127.0.0.1:0")
+    t = threading.Thread(target=lambda: errors.append(pytest.raises(fabric.ConnectionClosed, lst.accept, 30)))
+    t.start()
+    time.sleep(0.2)
+    lst.close()
+    lst.close()
+    t.join(10)
+    assert not t.is_alive()
+    with pytest.raises(fabric.ConnectionClosed):
+        lst.address

@@ -107,6 +107,7 @@ cdef struct ep_t:
     worker_t* w
     fab_channel* ch
     int state
+    int closed                  # closed locally; the struct lives until its Endpoint is freed
     int err
     char error[200]
     int peer_closed

@@ -1153,13 +1153,32 @@ cdef ep_t* ep_create(worker_t* w, fab_channel* ch) noexcept nogil:
     send_hello(ep)
     return ep
 
-cdef void ep_destroy(ep_t* ep) noexcept nogil:
-    """Free a settled endpoint (lock held); its messages go with it."""
-    cdef inmsg_t* m
+cdef void worker_kick(worker_t* w) noexcept nogil:
+    """Wake every thread waiting in this worker so it re-checks its state."""
+    cdef uint64_t one = 1
+    if w.polling:
+        write(w.wake_fd, &one, 8)
+    pthread_cond_broadcast(&w.cond)
+
+cdef void ep_close(ep_t* ep) noexcept nogil:
+    """Close locally (lock held): fail what is pending, release the channel
+    and the messages. The struct stays valid (threads may still be inside a
+    call on it) until ep_free."""
+    if ep.closed:
+        return
+    ep.closed = 1
     if ep.state != EP_DEAD:
         ep_fail(ep, ESHUTDOWN_, "endpoint closed")
         ep_settle(ep)
     node_unregister(ep.w, &ep.node)
+    if not ep.posted.active:
+        while ep.inq_head != NULL:
+            inq_pop(ep)
+    worker_kick(ep.w)
+
+cdef void ep_free(ep_t* ep) noexcept nogil:
+    """Close and free (lock held); nobody may reference ep afterwards."""
+    ep_close(ep)
     while ep.inq_head != NULL:
         inq_pop(ep)
     if ep.posted.result != NULL:
@@ -1178,6 +1197,8 @@ cdef void progress_listener(lst_t* l) noexcept nogil:
     cdef fab_channel* ch
     cdef ep_t* ep
     cdef int rc
+    if l.closed:
+        return
     while not l.closed and l.npending < MAX_PENDING_HANDSHAKES:
         rc = l.fl.accept(l.fl, our_max_recv(l.w), &ch)
         if rc != 0:
@@ -1218,7 +1239,7 @@ cdef void listener_sweep(lst_t* l) noexcept nogil:
             l.ready_tail = ep
         else:
             ep.listener = NULL
-            ep_destroy(ep)
+            ep_free(ep)
 
 cdef void progress_node(worker_t* w, node_t* node) noexcept nogil:
     cdef ep_t* ep
@@ -1674,7 +1695,7 @@ cdef class Worker:
             ok = ep.state == EP_OPEN
             if not ok:
                 memcpy(why, ep.error, 200)
-                ep_destroy(ep)
+                ep_free(ep)
             wunlock(self.w)
         if not ok:
             if rc == ETIMEDOUT:
@@ -1926,7 +1947,7 @@ cdef class Endpoint:
         if self.ep != NULL:
             with nogil:
                 alock(self.w)
-                ep_destroy(self.ep)
+                ep_free(self.ep)
                 wunlock(self.w)
             self.ep = NULL
         self._drop_async_view()
@@ -1937,14 +1958,14 @@ cdef class Endpoint:
             PyBuffer_Release(&self.async_view)
 
     cdef str _detail(self, int err):
-        if self.ep == NULL:
+        if self.ep.closed:
             return "endpoint closed"
         if self.ep.state == EP_DEAD and self.ep.error[0]:
             return self.ep.error.decode(errors="replace")
         return None
 
     cdef inline void _check_open(self) except *:
-        if self.ep == NULL:
+        if self.ep.closed:
             raise _errors.ConnectionClosed("endpoint is closed")
 
     @property
@@ -1959,7 +1980,7 @@ cdef class Endpoint:
 
     @property
     def closed(self):
-        return self.ep == NULL or self.ep.state == EP_DEAD
+        return self.ep.closed or self.ep.state == EP_DEAD
 
     @property
     def eager_limit(self):
@@ -2193,7 +2214,7 @@ cdef class Endpoint:
         return result
 
     def _cancel_recv(self):
-        if self.ep != NULL:
+        if not self.ep.closed:
             glock(self.w)
             if self.ep.posted.active:
                 self._withdraw()
@@ -2205,7 +2226,7 @@ cdef class Endpoint:
         seconds, default the close_linger option), then release everything.
         Pending operations fail with ConnectionClosed. Idempotent."""
         cdef double deadline
-        if self.ep == NULL:
+        if self.ep.closed:
             return
         deadline = monotonic_now() + (self.w.opts.close_linger if linger is None else float(linger))
         glock(self.w)
@@ -2217,8 +2238,7 @@ cdef class Endpoint:
                     self.worker.wait(pred_drained, self.ep, self.ep, deadline)
                 except BaseException:
                     pass
-            ep_destroy(self.ep)
-            self.ep = NULL
+            ep_close(self.ep)
         finally:
             wunlock(self.w)
         self.worker.reap()
@@ -2257,7 +2277,7 @@ cdef class Endpoint:
         await self.aclose()
 
     def __repr__(self):
-        if self.ep == NULL:
+        if self.ep.closed:
             return "<fabric.Endpoint closed>"
         return f"<fabric.Endpoint {self.local_address} -> {self.peer_address} {self.worker.backend.name}>"
 
@@ -2272,38 +2292,44 @@ cdef class Listener:
     def __dealloc__(self):
         if self.l != NULL:
             self._close()
+            free(self.l)
+            self.l = NULL
 
     cdef void _close(self):
+        """Stop accepting (idempotent). The struct stays valid, because another
+        thread may be inside accept(); __dealloc__ frees it."""
         cdef ep_t* ep = NULL
         glock(self.worker.w)
-        self.l.closed = 1
-        while self.l.pending != NULL:
-            ep = self.l.pending
-            self.l.pending = ep.lst_next
-            ep_destroy(ep)
-        while self.l.ready_head != NULL:
-            ep = self.l.ready_head
-            self.l.ready_head = ep.lst_next
-            ep_destroy(ep)
-        epoll_ctl(self.worker.w.epfd, EPOLL_CTL_DEL, self.l.fl.fd, NULL)
-        node_unregister(self.worker.w, &self.l.node)
-        self.l.fl.close(self.l.fl)
-        free(self.l)
-        self.l = NULL
+        if not self.l.closed:
+            self.l.closed = 1
+            while self.l.pending != NULL:
+                ep = self.l.pending
+                self.l.pending = ep.lst_next
+                ep_free(ep)
+            while self.l.ready_head != NULL:
+                ep = self.l.ready_head
+                self.l.ready_head = ep.lst_next
+                ep_free(ep)
+            self.l.ready_tail = NULL
+            epoll_ctl(self.worker.w.epfd, EPOLL_CTL_DEL, self.l.fl.fd, NULL)
+            node_unregister(self.worker.w, &self.l.node)
+            self.l.fl.close(self.l.fl)
+            self.l.fl = NULL
+            worker_kick(self.worker.w)
         wunlock(self.worker.w)
 
     @property
     def address(self):
-        if self.l == NULL:
+        if self.l.closed:
             raise _errors.ConnectionClosed("listener is closed")
         return self.l.fl.address.decode()
 
     def accept(self, timeout=None):
         """The next connected endpoint (after a successful handshake)."""
         cdef double deadline = deadline_of(timeout)
-        cdef ep_t* ep
-        cdef int rc
-        if self.l == NULL:
+        cdef ep_t* ep = NULL
+        cdef int rc = 0
+        if self.l.closed:
             raise _errors.ConnectionClosed("listener is closed")
         glock(self.worker.w)
         try:
@@ -2326,7 +2352,7 @@ cdef class Listener:
         return make_endpoint(self.worker, ep)
 
     def _try_accept(self):
-        if self.l == NULL:
+        if self.l.closed:
             raise _errors.ConnectionClosed("listener is closed")
         cdef ep_t* ep = NULL
         glock(self.worker.w)
@@ -2343,8 +2369,7 @@ cdef class Listener:
         return None if ep == NULL else make_endpoint(self.worker, ep)
 
     def close(self):
-        if self.l != NULL:
-            self._close()
+        self._close()
 
     async def aaccept(self, timeout=None):
         """accept() for asyncio."""
@@ -2358,4 +2383,4 @@ cdef class Listener:
         self.close()
 
     def __repr__(self):
-        return f"<fabric.Listener {self.address if self.l != NULL else 'closed'}>"
+        return f"<fabric.Listener {'closed' if self.l.closed else self.address}>"
