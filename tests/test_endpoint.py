@@ -485,3 +485,19 @@ def test_close_from_another_thread_wakes_blocked_calls(pair, fab):
     assert not t.is_alive()
     with pytest.raises(fabric.ConnectionClosed):
         lst.address
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [10, 100_000])
+def test_torch_cpu_tensors_send_and_recv_into(pair, n):
+    torch = pytest.importorskip("torch", reason="torch is not installed (tools/setup.sh installs it "
+                                               "only from a local CPU wheel)")
+    client, server = pair
+    src = torch.arange(n, dtype=torch.float32)
+    req = client.isend(src)                         # zero-copy through DLPack
+    dst = torch.empty(n, dtype=torch.float32)
+    assert server.recv_into(dst, timeout=10) == 4 * n
+    req.wait(timeout=10)
+    assert torch.equal(src, dst)
+    with pytest.raises(BufferError, match="contiguous"):
+        client.send(torch.zeros(4, 4).t())

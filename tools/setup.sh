@@ -31,4 +31,10 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip setuptools wheel "Cython>=3.0" 2>&1 | grep -v "^WARNING: Location" || true
 # Editable install: the Cython build runs here and rebuilds changed modules.
 .venv/bin/python -m pip install -q --no-build-isolation -e ".[${EXTRAS}]" 2>&1 | grep -v "^WARNING: Location" || true
+# torch CPU tensors are part of the test suite where a local CPU wheel exists
+# (never a multi-GB download); elsewhere those tests skip and say why.
+torch_wheel=$(ls /opt/wheels/torch-*+cpu-cp3*.whl 2>/dev/null | head -n 1 || true)
+if [ -n "$torch_wheel" ] && [ "${FABRIC_SKIP_TORCH:-0}" != 1 ] && ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    .venv/bin/python -m pip install -q "$torch_wheel" 2>&1 | grep -v "^WARNING: Location" || true
+fi
 .venv/bin/python -c "import fabric; print('fabric', fabric.__version__, 'backends:', {k: v[0] for k, v in fabric.available_backends().items()})"

@@ -1841,6 +1841,18 @@ def as_buffer(obj):
                     "buffer protocol nor DLPack")
 
 
+cdef int get_writable(object buf, Py_buffer* view) except -1:
+    """A writable contiguous view of buf (buffer protocol, or DLPack for
+    tensors such as torch CPU tensors, which share their memory)."""
+    try:
+        PyObject_GetBuffer(buf, view, PyBUF_WRITABLE | PyBUF_ANY_CONTIGUOUS)
+    except (TypeError, BufferError):
+        if not hasattr(buf, "__dlpack__"):
+            raise
+        PyObject_GetBuffer(as_buffer(buf), view, PyBUF_WRITABLE | PyBUF_ANY_CONTIGUOUS)
+    return 0
+
+
 cdef void op_release(Worker worker, sendop_t* op):
     """Drop the caller's reference (GIL held, lock not held)."""
     cdef int i, free_it = 0, views = 0
@@ -2154,7 +2166,7 @@ cdef class Endpoint:
         its size. A message larger than buf raises MessageTooLarge and stays
         queued."""
         cdef Py_buffer view
-        PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE | PyBUF_ANY_CONTIGUOUS)
+        get_writable(buf, &view)
         try:
             r = self._recv(<char*>view.buf, <size_t>view.len, timeout)
         finally:
@@ -2183,7 +2195,7 @@ cdef class Endpoint:
         cdef recv_result r
         self._check_open()
         if buf is not None and not self.async_view_held:
-            PyObject_GetBuffer(buf, &self.async_view, PyBUF_WRITABLE | PyBUF_ANY_CONTIGUOUS)
+            get_writable(buf, &self.async_view)
             self.async_view_held = 1
         if self.async_view_held:
             dst = <char*>self.async_view.buf
