@@ -501,3 +501,42 @@ def test_torch_cpu_tensors_send_and_recv_into(pair, n):
     assert torch.equal(src, dst)
     with pytest.raises(BufferError, match="contiguous"):
         client.send(torch.zeros(4, 4).t())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size", BOUNDARY_SIZES)
+def test_protocol_choice_at_boundaries(pair, size):
+    """The protocol each size takes, checked on the wire counters."""
+    client, server = pair
+    expect = ("eager", 0) if size <= EAGER else ("rendezvous", -(-size // CHUNK))
+    assert client.protocol_for(size) == expect
+    before = client.stats()
+    req = client.isend(payload(size))
+    assert server.recv(timeout=10) == payload(size)
+    req.wait(timeout=10)
+    after = client.stats()
+    if expect[0] == "eager":
+        assert after["sent_eager"] - before["sent_eager"] == 1
+        assert after["sent_rendezvous"] == before["sent_rendezvous"]
+    else:
+        assert after["sent_rendezvous"] - before["sent_rendezvous"] == 1
+        assert after["chunks_announced"] - before["chunks_announced"] == expect[1]
+
+
+@pytest.mark.timeout(60)
+def test_coalescing_packs_many_messages_into_few_fabric_sends(pair):
+    client, server = pair
+    before = client.stats()
+    n = 2000
+    reqs = [client.isend(i.to_bytes(4, "little")) for i in range(n)]
+    for i in range(n):
+        assert server.recv(timeout=10) == i.to_bytes(4, "little")
+    for r in reqs:
+        r.wait(timeout=10)
+    after = client.stats()
+    sends = after["fabric_sends"] - before["fabric_sends"]
+    frames = after["frames_sent"] - before["frames_sent"]
+    assert frames >= n
+    assert sends < n / 4, f"{n} small messages took {sends} fabric sends: not coalesced"
+    s = server.stats()
+    assert s["frames_received"] > s["fabric_recvs"]

@@ -5,10 +5,12 @@
 #   * Backend (cdef class): a Python-visible description (name, capability
 #     flags, default thresholds, availability) and the slow-path factories
 #     listen() / connect(), called with the GIL held.
-#   * fab_channel: one connection. Two-sided send of a scatter list, delivery of
-#     received fabric messages, memory registration with a remote key the peer
-#     can use, one-sided read of a peer's registered region, non-blocking
-#     progress (poll) and a file descriptor to block on when idle.
+#   * fab_channel: one connection. Two-sided send of a scatter list; receives
+#     into buffers the backend keeps posted (recv_depth of max_recv bytes; the
+#     engine's credits guarantee the peer never sends more than are posted),
+#     delivered by poll(); memory registration with a remote key the peer can
+#     use; one-sided read (and write, where native) of a peer's registered
+#     region; non-blocking progress (poll) and a file descriptor to block on.
 #   * fab_listener: accepts channels.
 #
 # Lifetime rules, which every backend must honour:
@@ -68,6 +70,10 @@ cdef struct fab_channel_ops:
     void (*dereg)(fab_channel* ch, fab_mr* mr) noexcept nogil
     int (*read)(fab_channel* ch, void* dst, fab_mr* dst_mr, size_t length, uint64_t raddr,
                 uint8_t* rkey, uint32_t rkey_len, uint64_t ctx) noexcept nogil
+    # One-sided write into a peer's registered region; NULL where the fabric
+    # has none (FAB_CAP_NATIVE_WRITE unset). Completes like read().
+    int (*write)(fab_channel* ch, void* src, fab_mr* src_mr, size_t length, uint64_t raddr,
+                 uint8_t* rkey, uint32_t rkey_len, uint64_t ctx) noexcept nogil
     # Stop a pending read from touching dst. Returns 0 if no byte will land in
     # dst any more (no completion will follow), 1 if the read must be waited
     # for (a completion will follow).
@@ -84,6 +90,8 @@ cdef struct fab_channel:
     int fd                         # pollable: readable when poll() may progress
     uint32_t caps
     size_t max_recv                # largest fabric message the engine accepts
+    uint32_t recv_depth            # receive buffers to keep posted, for fabrics that post
+                                   # receives: recv_depth_for(options); a stream ignores it
     int send_depth                 # pending sends after which the engine holds (and coalesces)
     int failed
     uint64_t activity              # bumped whenever bytes move; waits keep spinning while it changes
@@ -97,6 +105,12 @@ cdef struct fab_listener:
     int (*accept)(fab_listener* lst, size_t max_recv, fab_channel** out) noexcept nogil
     void (*close)(fab_listener* lst) noexcept nogil
     char address[96]
+
+cdef inline uint32_t recv_depth_for(dict options):
+    """Receive buffers a channel must keep posted: the credits the engine
+    offers its peer, plus the HELLO that arrives before any credit exists."""
+    return <uint32_t>int(options["credits"]) + 1
+
 
 cdef class Backend:
     cdef readonly str name

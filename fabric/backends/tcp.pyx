@@ -88,6 +88,7 @@ TCP_OPS.send = tcp_send_msg
 TCP_OPS.reg = tcp_reg
 TCP_OPS.dereg = tcp_dereg
 TCP_OPS.read = tcp_read_remote
+TCP_OPS.write = NULL            # no one-sided write over a stream
 TCP_OPS.cancel_read = tcp_cancel_read
 TCP_OPS.poll = tcp_poll
 TCP_OPS.arm = tcp_arm

@@ -136,6 +136,15 @@ cdef struct ep_t:
     int close_requested
     int pull_ahead              # last receive was recv(): pull rendezvous messages early
     int send_waiters            # threads blocked until a send completes
+    # counters (Endpoint.stats): which protocol messages took, how sends were packed
+    uint64_t sent_eager
+    uint64_t sent_eager_zero_copy
+    uint64_t sent_rndv
+    uint64_t chunks_announced
+    uint64_t fabric_sends
+    uint64_t frames_sent
+    uint64_t fabric_recvs
+    uint64_t frames_received
     uint8_t hello[56]
     uint64_t seq_sealed
     uint64_t seq_posted

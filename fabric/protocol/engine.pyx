@@ -231,6 +231,7 @@ cdef int post_slab(ep_t* ep, slab_t* s) noexcept nogil:
     v.iov_base = s.data
     v.iov_len = s.used
     ep.peer_credits -= 1
+    ep.fabric_sends += 1
     rc = ep.ch.ops.send(ep.ch, &v, 1, <uint64_t><size_t>s | TAG_SLAB)
     if rc == FAB_DONE:
         slab_put(ep, s)
@@ -258,6 +259,10 @@ cdef int post_zero_copy(ep_t* ep, sendop_t* op) noexcept nogil:
             v[n].iov_len = op.segs[i].length
             n += 1
     ep.peer_credits -= 1
+    ep.fabric_sends += 1
+    ep.frames_sent += 1
+    ep.sent_eager += 1
+    ep.sent_eager_zero_copy += 1
     rc = ep.ch.ops.send(ep.ch, v, n, <uint64_t><size_t>op | TAG_OP)
     if rc == FAB_DONE:
         op_finish(ep, op, 0)
@@ -317,6 +322,10 @@ cdef int announce_chunk(ep_t* ep, sendop_t* op, int first) noexcept nogil:
             return -1
     put_rndv(room, op.msg_id, op.announced, op.total, op.msg_off, mr.addr,
              <uint32_t>length, mr.rkey, mr.rkey_len)
+    ep.chunks_announced += 1
+    ep.frames_sent += 1
+    if first:
+        ep.sent_rndv += 1
     op.window_index[slot] = op.announced
     op.announced += 1
     op.cur_off += length
@@ -386,6 +395,8 @@ cdef int frame_queue(ep_t* ep) noexcept nogil:
                     ep.sendq_tail = op
                 return 0
             put_header(room, F_EAGER, 0, <uint32_t>op.total, op.msg_id, 0, 0)
+            ep.sent_eager += 1
+            ep.frames_sent += 1
             off = FRAME_HEADER
             for i in range(op.nseg):
                 memcpy(room + off, op.segs[i].ptr, op.segs[i].length)
@@ -897,12 +908,14 @@ cdef int on_fabric_msg(ep_t* ep, const uint8_t* data, size_t length) noexcept no
     cdef int used, counts = 1
     cdef frame_t f
     cdef const char* error = NULL
+    ep.fabric_recvs += 1
     while pos < length:
         used = parse_frame(data + pos, length - pos, &f, &error)
         if used < 0:
             ep_fail(ep, EPROTO, error)
             return -1
         pos += <size_t>used
+        ep.frames_received += 1
         ep.peer_credits += <int>f.credits
         if ep.peer_credits > 1 << 20:
             ep_fail(ep, EPROTO, "peer returned more credits than it was given")
@@ -2002,9 +2015,22 @@ cdef class Endpoint:
     def stats(self):
         """Counters for tests and tools."""
         self._check_open()
-        return {"peer_credits": self.ep.peer_credits, "pending_sends": self.ep.pending_sends,
-                "buffered_bytes": self.ep.inbuf_bytes, "held_credits": self.ep.held,
-                "send_buffers": self.ep.slabs_total, "credits_to_return": self.ep.c2r}
+        cdef ep_t* e = self.ep
+        return {"peer_credits": e.peer_credits, "pending_sends": e.pending_sends,
+                "buffered_bytes": e.inbuf_bytes, "held_credits": e.held,
+                "send_buffers": e.slabs_total, "credits_to_return": e.c2r,
+                "sent_eager": e.sent_eager, "sent_eager_zero_copy": e.sent_eager_zero_copy,
+                "sent_rendezvous": e.sent_rndv, "chunks_announced": e.chunks_announced,
+                "fabric_sends": e.fabric_sends, "frames_sent": e.frames_sent,
+                "fabric_recvs": e.fabric_recvs, "frames_received": e.frames_received}
+
+    def protocol_for(self, size_t size):
+        """The protocol a message of `size` bytes takes on this endpoint, and
+        its chunk count: ('eager', 0) or ('rendezvous', chunks)."""
+        self._check_open()
+        if size <= self.ep.eager_limit:
+            return ("eager", 0)
+        return ("rendezvous", (size + self.w.opts.chunk_size - 1) // self.w.opts.chunk_size)
 
     def send(self, obj):
         """Send one message (a buffer, or a list/tuple of buffers sent as one
