@@ -164,13 +164,17 @@ cdef void free_send(tcp_send* s) noexcept nogil:
     free(s)
 
 
-cdef void queue_send(tcp_chan* c, tcp_send* s) noexcept nogil:
+cdef void fifo_push(tcp_send** head, tcp_send** tail, tcp_send* s) noexcept nogil:
     s.next = NULL
-    if c.sq_tail == NULL:
-        c.sq_head = s
+    if tail[0] == NULL:
+        head[0] = s
     else:
-        c.sq_tail.next = s
-    c.sq_tail = s
+        tail[0].next = s
+    tail[0] = s
+
+
+cdef inline void queue_send(tcp_chan* c, tcp_send* s) noexcept nogil:
+    fifo_push(&c.sq_head, &c.sq_tail, s)
 
 
 cdef int flush_sends(tcp_chan* c) noexcept nogil:
@@ -186,12 +190,7 @@ cdef int flush_sends(tcp_chan* c) noexcept nogil:
             if c.sq_head == NULL:
                 c.sq_tail = NULL
             if s.notify:
-                s.next = NULL
-                if c.done_tail == NULL:
-                    c.done_head = s
-                else:
-                    c.done_tail.next = s
-                c.done_tail = s
+                fifo_push(&c.done_head, &c.done_tail, s)
             else:
                 free_send(s)
             continue

@@ -150,16 +150,33 @@ cdef void free_slab_list(slab_t* s) noexcept nogil:
         free(s)
         s = n
 
+cdef void slab_append(slab_t** head, slab_t** tail, slab_t* s) noexcept nogil:
+    s.next = NULL
+    if tail[0] == NULL:
+        head[0] = s
+    else:
+        tail[0].next = s
+    tail[0] = s
+
+cdef slab_t* next_to_post(slab_t** head, slab_t** tail, slab_t** open_slab) noexcept nogil:
+    """The oldest sealed slab of a queue, else the open one if it holds frames."""
+    cdef slab_t* s = head[0]
+    if s != NULL:
+        head[0] = s.next
+        if head[0] == NULL:
+            tail[0] = NULL
+        return s
+    s = open_slab[0]
+    if s != NULL and s.used > 0:
+        open_slab[0] = NULL
+        return s
+    return NULL
+
 cdef uint8_t* ctrl_room(ep_t* ep, size_t need) noexcept nogil:
     """Space for a control frame; control frames never wait for slabs."""
     cdef slab_t* s = ep.ctrl
     if s != NULL and s.used + need > ep.slab_cap:
-        s.next = NULL
-        if ep.ctrl_ready_tail == NULL:
-            ep.ctrl_ready_head = s
-        else:
-            ep.ctrl_ready_tail.next = s
-        ep.ctrl_ready_tail = s
+        slab_append(&ep.ctrl_ready_head, &ep.ctrl_ready_tail, s)
         s = NULL
         ep.ctrl = NULL
     if s == NULL:
@@ -172,14 +189,8 @@ cdef uint8_t* ctrl_room(ep_t* ep, size_t need) noexcept nogil:
     return s.data + s.used - need
 
 cdef void seal_data(ep_t* ep) noexcept nogil:
-    cdef slab_t* s = ep.open_data
+    slab_append(&ep.ready_head, &ep.ready_tail, ep.open_data)
     ep.open_data = NULL
-    s.next = NULL
-    if ep.ready_tail == NULL:
-        ep.ready_head = s
-    else:
-        ep.ready_tail.next = s
-    ep.ready_tail = s
 
 cdef uint8_t* data_room(ep_t* ep, size_t need) noexcept nogil:
     """Space in the open data slab, or NULL when every slab is in use."""
@@ -438,29 +449,13 @@ cdef int ep_flush(ep_t* ep) noexcept nogil:
     while True:
         more = 0
         if ep.pending_sends < ep.ch.send_depth and ep.peer_credits > 0:
-            s = NULL
-            if ep.ctrl_ready_head != NULL:
-                s = ep.ctrl_ready_head
-                ep.ctrl_ready_head = s.next
-                if ep.ctrl_ready_head == NULL:
-                    ep.ctrl_ready_tail = NULL
-            elif ep.ctrl != NULL and ep.ctrl.used > 0:
-                s = ep.ctrl
-                ep.ctrl = NULL
+            s = next_to_post(&ep.ctrl_ready_head, &ep.ctrl_ready_tail, &ep.ctrl)
             if s != NULL:
                 if post_slab(ep, s) < 0:
                     return -1
                 continue
         if can_post_data(ep):
-            s = NULL
-            if ep.ready_head != NULL:
-                s = ep.ready_head
-                ep.ready_head = s.next
-                if ep.ready_head == NULL:
-                    ep.ready_tail = NULL
-            elif ep.open_data != NULL and ep.open_data.used > 0:
-                s = ep.open_data
-                ep.open_data = NULL
+            s = next_to_post(&ep.ready_head, &ep.ready_tail, &ep.open_data)
             if s != NULL:
                 ep.seq_posted = s.seq
                 if post_slab(ep, s) < 0:
