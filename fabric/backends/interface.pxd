@@ -65,7 +65,9 @@ cdef struct fab_mr:
 cdef struct fab_channel
 
 cdef struct fab_channel_ops:
-    int (*send)(fab_channel* ch, iovec* iov, int iovcnt, uint64_t ctx) noexcept nogil
+    # mrs: NULL, or for each iov entry the registered region holding it (from
+    # reg() on this channel); backends without FAB_CAP_SEND_ANY_MEMORY get one.
+    int (*send)(fab_channel* ch, iovec* iov, fab_mr** mrs, int iovcnt, uint64_t ctx) noexcept nogil
     int (*reg)(fab_channel* ch, void* addr, size_t length, fab_mr* mr) noexcept nogil
     void (*dereg)(fab_channel* ch, fab_mr* mr) noexcept nogil
     int (*read)(fab_channel* ch, void* dst, fab_mr* dst_mr, size_t length, uint64_t raddr,

@@ -212,7 +212,7 @@ cdef int flush_sends(tcp_chan* c) noexcept nogil:
     return 0
 
 
-cdef int tcp_send_msg(fab_channel* ch, iovec* iov, int iovcnt, uint64_t ctx) noexcept nogil:
+cdef int tcp_send_msg(fab_channel* ch, iovec* iov, fab_mr** mrs, int iovcnt, uint64_t ctx) noexcept nogil:
     cdef tcp_chan* c = <tcp_chan*>ch
     cdef iovec v[MAX_IOV + 1]
     cdef uint8_t hdr[HDR]

@@ -24,6 +24,7 @@ cdef struct slab_t:
     size_t used
     uint64_t seq
     uint8_t* data
+    fab_mr* mr                  # registration, for backends that send only registered memory
 
 cdef struct seg_t:
     char* ptr
@@ -146,6 +147,7 @@ cdef struct ep_t:
     uint64_t fabric_recvs
     uint64_t frames_received
     uint8_t hello[56]
+    fab_mr* hello_mr
     uint64_t seq_sealed
     uint64_t seq_posted
     sendop_t* sendq_head

@@ -129,10 +129,18 @@ cdef slab_t* slab_get(ep_t* ep, int control) noexcept nogil:
     else:
         if not control and <uint32_t>ep.slabs_total >= ep.w.opts.send_buffers:
             return NULL
-        s = <slab_t*>malloc(sizeof(slab_t) + ep.slab_cap)
+        s = <slab_t*>malloc(sizeof(slab_t) + sizeof(fab_mr) + ep.slab_cap)
         if s == NULL:
             return NULL
-        s.data = <uint8_t*>(<char*>s + sizeof(slab_t))
+        s.data = <uint8_t*>(<char*>s + sizeof(slab_t) + sizeof(fab_mr))
+        s.mr = NULL
+        if not (ep.ch.caps & FAB_CAP_SEND_ANY_MEMORY):
+            # registered once, for the slab's life; closing the channel
+            # releases the registration
+            s.mr = <fab_mr*>(<char*>s + sizeof(slab_t))
+            if ep.ch.ops.reg(ep.ch, s.data, ep.slab_cap, s.mr) < 0:
+                free(s)
+                return NULL
         ep.slabs_total += 1
     s.next = NULL
     s.used = 0
@@ -243,7 +251,7 @@ cdef int post_slab(ep_t* ep, slab_t* s) noexcept nogil:
     v.iov_len = s.used
     ep.peer_credits -= 1
     ep.fabric_sends += 1
-    rc = ep.ch.ops.send(ep.ch, &v, 1, <uint64_t><size_t>s | TAG_SLAB)
+    rc = ep.ch.ops.send(ep.ch, &v, &s.mr if s.mr != NULL else NULL, 1, <uint64_t><size_t>s | TAG_SLAB)
     if rc == FAB_DONE:
         slab_put(ep, s)
         return 0
@@ -274,7 +282,7 @@ cdef int post_zero_copy(ep_t* ep, sendop_t* op) noexcept nogil:
     ep.frames_sent += 1
     ep.sent_eager += 1
     ep.sent_eager_zero_copy += 1
-    rc = ep.ch.ops.send(ep.ch, v, n, <uint64_t><size_t>op | TAG_OP)
+    rc = ep.ch.ops.send(ep.ch, v, NULL, n, <uint64_t><size_t>op | TAG_OP)
     if rc == FAB_DONE:
         op_finish(ep, op, 0)
         return 0
@@ -1136,7 +1144,12 @@ cdef void send_hello(ep_t* ep) noexcept nogil:
     put_hello(ep.hello, <uint32_t>max_recv, ep.w.opts.credits, ep.w.opts.max_message)
     v.iov_base = ep.hello
     v.iov_len = FRAME_HEADER + HELLO_BODY
-    rc = ep.ch.ops.send(ep.ch, &v, 1, 0)
+    if not (ep.ch.caps & FAB_CAP_SEND_ANY_MEMORY):
+        ep.hello_mr = <fab_mr*>calloc(1, sizeof(fab_mr))
+        if ep.hello_mr == NULL or ep.ch.ops.reg(ep.ch, ep.hello, sizeof(ep.hello), ep.hello_mr) < 0:
+            ep_fail(ep, ENOMEM, "cannot register the handshake buffer")
+            return
+    rc = ep.ch.ops.send(ep.ch, &v, &ep.hello_mr if ep.hello_mr != NULL else NULL, 1, 0)
     if rc == FAB_PENDING:
         ep.pending_sends += 1
     elif rc < 0:
@@ -1191,6 +1204,7 @@ cdef void ep_free(ep_t* ep) noexcept nogil:
         inq_pop(ep)
     if ep.posted.result != NULL:
         free(ep.posted.result)
+    free(ep.hello_mr)
     free(ep)
 
 cdef uint32_t our_max_recv(worker_t* w) noexcept nogil:
