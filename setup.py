@@ -21,6 +21,7 @@ def ext(name, **kw):
 
 extensions = [
     ext("fabric.backends.interface"),
+    ext("fabric.backends.sockets"),
     ext("fabric.backends.tcp"),
     ext("fabric.protocol.frame"),
     ext("fabric.protocol.engine"),

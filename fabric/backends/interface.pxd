@@ -117,10 +117,12 @@ cdef inline uint32_t recv_depth_for(dict options):
 cdef class Backend:
     cdef readonly str name
     cdef readonly uint32_t caps
-    cdef fab_listener* listen(self, str host, int port, dict options) except NULL
-    # Blocking connect (GIL released inside) bounded by timeout seconds (<0: none).
-    cdef fab_channel* connect(self, str host, int port, double timeout, size_t max_recv,
-                              dict options) except NULL
+    # `domain` is what open_domain() returned for this Fabric (per-Fabric
+    # backend state, such as a UCX context and worker), or None.
+    cdef fab_listener* listen(self, object domain, str host, int port, dict options) except NULL
+    # Connect (GIL released while waiting) bounded by timeout seconds (<0: none).
+    cdef fab_channel* connect(self, object domain, str host, int port, double timeout,
+                              size_t max_recv, dict options) except NULL
 
 from fabric._posix cimport snprintf, strerror, EPROTO
 

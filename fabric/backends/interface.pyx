@@ -8,12 +8,16 @@ cdef class Backend:
     def __init__(self):
         raise TypeError("Backend is abstract; use fabric.backends.get(name)")
 
-    cdef fab_listener* listen(self, str host, int port, dict options) except NULL:
+    cdef fab_listener* listen(self, object domain, str host, int port, dict options) except NULL:
         raise NotImplementedError
 
-    cdef fab_channel* connect(self, str host, int port, double timeout, size_t max_recv,
-                              dict options) except NULL:
+    cdef fab_channel* connect(self, object domain, str host, int port, double timeout,
+                              size_t max_recv, dict options) except NULL:
         raise NotImplementedError
+
+    def open_domain(self, dict options):
+        """Per-Fabric backend state, kept alive by the Fabric; None if unused."""
+        return None
 
     def default_options(self):
         """Per-backend defaults of the engine's thresholds (see fabric.options)."""

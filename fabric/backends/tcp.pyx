@@ -25,6 +25,8 @@ from cpython.bytes cimport PyBytes_AsString
 
 from fabric._posix cimport *
 from fabric.backends.interface cimport *
+from fabric.backends.sockets cimport (accept_socket, connect_socket, listen_socket,
+                                     local_and_peer_names, tune_socket)
 
 cdef enum:
     HDR = 16
@@ -635,39 +637,8 @@ cdef void tcp_close(fab_channel* ch) noexcept nogil:
 
 # ------------------------------------------------------- connection set-up
 
-cdef void format_name(sockaddr* sa, socklen_t salen, char* out, size_t n) noexcept nogil:
-    cdef char host[NI_MAXHOST]
-    cdef char serv[NI_MAXSERV]
-    if getnameinfo(sa, salen, host, NI_MAXHOST, serv, NI_MAXSERV, NI_NUMERICHOST | NI_NUMERICSERV) != 0:
-        snprintf(out, n, "?")
-    elif sa.sa_family == AF_INET6:
-        snprintf(out, n, "[%s]:%s", host, serv)
-    else:
-        snprintf(out, n, "%s:%s", host, serv)
-
-
-cdef int set_int_opt(int fd, int level, int name, int value) noexcept nogil:
-    return setsockopt(fd, level, name, &value, sizeof(int))
-
-
-cdef int tune_socket(int fd, int user_timeout_ms, int keepalive_s) noexcept nogil:
-    set_int_opt(fd, IPPROTO_TCP, TCP_NODELAY, 1)
-    if keepalive_s > 0:
-        # A peer host that vanishes without a FIN/RST must still fail the
-        # connection: keepalive probes plus a bound on unacknowledged data.
-        set_int_opt(fd, SOL_SOCKET, SO_KEEPALIVE, 1)
-        set_int_opt(fd, IPPROTO_TCP, TCP_KEEPIDLE, keepalive_s)
-        set_int_opt(fd, IPPROTO_TCP, TCP_KEEPINTVL, keepalive_s)
-        set_int_opt(fd, IPPROTO_TCP, TCP_KEEPCNT, 3)
-    if user_timeout_ms > 0:
-        set_int_opt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, user_timeout_ms)
-    return 0
-
-
 cdef fab_channel* new_channel(int fd, size_t max_recv) noexcept nogil:
     cdef tcp_chan* c = <tcp_chan*>calloc(1, sizeof(tcp_chan))
-    cdef sockaddr_storage ss
-    cdef socklen_t sl
     cdef uint32_t salt = 0
     if c == NULL:
         return NULL
@@ -688,12 +659,7 @@ cdef fab_channel* new_channel(int fd, size_t max_recv) noexcept nogil:
         return NULL
     getrandom(&salt, sizeof(salt), 0)
     c.key_salt = salt
-    sl = sizeof(ss)
-    if getsockname(fd, <sockaddr*>&ss, &sl) == 0:
-        format_name(<sockaddr*>&ss, sl, c.base.local_name, 64)
-    sl = sizeof(ss)
-    if getpeername(fd, <sockaddr*>&ss, &sl) == 0:
-        format_name(<sockaddr*>&ss, sl, c.base.peer_name, 64)
+    local_and_peer_names(fd, c.base.local_name, c.base.peer_name, 64)
     return &c.base
 
 
@@ -705,15 +671,9 @@ cdef struct tcp_lst:
 
 cdef int tcp_accept(fab_listener* lst, size_t max_recv, fab_channel** out) noexcept nogil:
     cdef tcp_lst* l = <tcp_lst*>lst
-    cdef int fd
-    while True:
-        fd = accept4(lst.fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC)
-        if fd >= 0 or errno != EINTR:
-            break
+    cdef int fd = accept_socket(lst.fd)
     if fd < 0:
-        if errno == EAGAIN or errno == ECONNABORTED:
-            return EAGAIN
-        return -errno
+        return EAGAIN if fd == -EAGAIN else fd
     tune_socket(fd, l.user_timeout_ms, l.keepalive_s)
     out[0] = new_channel(fd, max_recv)
     if out[0] == NULL:
@@ -745,134 +705,26 @@ cdef class TcpBackend(Backend):
     def available():
         return True, "sockets are always available"
 
-    cdef fab_listener* listen(self, str host, int port, dict options) except NULL:
-        cdef addrinfo hints
-        cdef addrinfo* res = NULL
-        cdef addrinfo* ai
-        cdef int fd = -1, rc, err = 0
-        cdef sockaddr_storage ss
-        cdef socklen_t sl
-        cdef tcp_lst* l
-        cdef bytes bhost = (host or "").encode()
-        cdef bytes bport = str(port).encode()
-        cdef const char* node = NULL
-        cdef const char* service = bport
-        memset(&hints, 0, sizeof(hints))
-        hints.ai_family = AF_UNSPEC
-        hints.ai_socktype = SOCK_STREAM
-        hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV
-        if bhost:
-            node = bhost
-        with nogil:
-            rc = getaddrinfo(node, service, &hints, &res)
-        if rc != 0:
-            raise OSError(f"cannot resolve {host!r}: {gai_strerror(rc).decode()}")
-        try:
-            ai = res
-            while ai != NULL:
-                fd = socket(ai.ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)
-                if fd >= 0:
-                    set_int_opt(fd, SOL_SOCKET, SO_REUSEADDR, 1)
-                    if ai.ai_family == AF_INET6 and not bhost:
-                        set_int_opt(fd, IPPROTO_IPV6, IPV6_V6ONLY, 0)
-                    if bind(fd, ai.ai_addr, ai.ai_addrlen) == 0 and listen(fd, SOMAXCONN) == 0:
-                        break
-                    err = errno
-                    close(fd)
-                    fd = -1
-                else:
-                    err = errno
-                ai = ai.ai_next
-        finally:
-            freeaddrinfo(res)
-        if fd < 0:
-            raise OSError(err, f"cannot listen on {host}:{port}: {strerror(err).decode()}")
-        l = <tcp_lst*>calloc(1, sizeof(tcp_lst))
+    cdef fab_listener* listen(self, object domain, str host, int port, dict options) except NULL:
+        cdef tcp_lst* l = <tcp_lst*>calloc(1, sizeof(tcp_lst))
         if l == NULL:
-            close(fd)
             raise MemoryError()
-        l.base.fd = fd
+        try:
+            l.base.fd = listen_socket(host, port, l.base.address, 96)
+        except BaseException:
+            free(l)
+            raise
         l.base.accept = tcp_accept
         l.base.close = tcp_close_listener
         l.user_timeout_ms = int(options.get("tcp_user_timeout_ms", 30000))
         l.keepalive_s = int(options.get("tcp_keepalive_s", 10))
-        sl = sizeof(ss)
-        getsockname(fd, <sockaddr*>&ss, &sl)
-        format_name(<sockaddr*>&ss, sl, l.base.address, 96)
         return &l.base
 
-    cdef fab_channel* connect(self, str host, int port, double timeout, size_t max_recv,
-                              dict options) except NULL:
-        cdef addrinfo hints
-        cdef addrinfo* res = NULL
-        cdef addrinfo* ai
-        cdef int fd = -1, rc, err = ETIMEDOUT, soerr
-        cdef socklen_t sl
-        cdef pollfd pfd
-        cdef int ms
-        cdef double deadline = monotonic_now() + timeout if timeout >= 0 else -1.0
-        cdef bytes bhost = host.encode()
-        cdef bytes bport = str(port).encode()
-        cdef const char* node = bhost
-        cdef const char* service = bport
-        cdef int user_timeout_ms = int(options.get("tcp_user_timeout_ms", 30000))
-        cdef int keepalive_s = int(options.get("tcp_keepalive_s", 10))
+    cdef fab_channel* connect(self, object domain, str host, int port, double timeout,
+                              size_t max_recv, dict options) except NULL:
+        cdef int fd = connect_socket(host, port, timeout)
         cdef fab_channel* ch
-        memset(&hints, 0, sizeof(hints))
-        hints.ai_family = AF_UNSPEC
-        hints.ai_socktype = SOCK_STREAM
-        hints.ai_flags = AI_NUMERICSERV
-        with nogil:
-            rc = getaddrinfo(node, service, &hints, &res)
-        if rc != 0:
-            raise OSError(f"cannot resolve {host!r}: {gai_strerror(rc).decode()}")
-        try:
-            with nogil:
-                ai = res
-                while ai != NULL:
-                    fd = socket(ai.ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)
-                    if fd < 0:
-                        err = errno
-                        ai = ai.ai_next
-                        continue
-                    rc = connect(fd, ai.ai_addr, ai.ai_addrlen)
-                    if rc != 0 and errno == EINPROGRESS:
-                        pfd.fd = fd
-                        pfd.events = POLLOUT
-                        while True:
-                            ms = -1 if deadline < 0 else <int>((deadline - monotonic_now()) * 1000)
-                            if deadline >= 0 and ms < 0:
-                                ms = 0
-                            rc = poll(&pfd, 1, ms)
-                            if rc >= 0 or errno != EINTR:
-                                break
-                        if rc == 0:
-                            err = ETIMEDOUT
-                            rc = -1
-                        elif rc > 0:
-                            soerr = 0
-                            sl = sizeof(int)
-                            getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &sl)
-                            err = soerr
-                            rc = 0 if soerr == 0 else -1
-                        else:
-                            err = errno
-                    elif rc != 0:
-                        err = errno
-                    if rc == 0:
-                        break
-                    close(fd)
-                    fd = -1
-                    if err == ETIMEDOUT:
-                        break
-                    ai = ai.ai_next
-        finally:
-            freeaddrinfo(res)
-        if fd < 0:
-            if err == ETIMEDOUT:
-                raise TimeoutError(f"connect to {host}:{port} timed out")
-            raise ConnectionRefusedError(err, f"cannot connect to {host}:{port}: {strerror(err).decode()}")
-        tune_socket(fd, user_timeout_ms, keepalive_s)
+        tune_socket(fd, int(options.get("tcp_user_timeout_ms", 30000)), int(options.get("tcp_keepalive_s", 10)))
         ch = new_channel(fd, max_recv)
         if ch == NULL:
             close(fd)

@@ -1527,6 +1527,7 @@ cdef class Worker:
     cdef worker_t* w
     cdef readonly Backend backend
     cdef readonly dict options
+    cdef readonly object domain     # the backend's per-Fabric state
     cdef int pid
     cdef object __weakref__
 
@@ -1557,6 +1558,7 @@ cdef class Worker:
         o.handshake_timeout = float(options["handshake_timeout"])
         o.close_linger = float(options["close_linger"])
         o.progress_thread = int(options.get("progress_thread", 1))
+        self.domain = backend.open_domain(self.options)
         self.pid = getpid()
         self.w.wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
         self.w.notify_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
@@ -1668,7 +1670,7 @@ cdef class Worker:
                 glock(self.w)
 
     def listen(self, str host, int port):
-        cdef fab_listener* fl = self.backend.listen(host, port, self.options)
+        cdef fab_listener* fl = self.backend.listen(self.domain, host, port, self.options)
         cdef lst_t* l = <lst_t*>calloc(1, sizeof(lst_t))
         if l == NULL:
             fl.close(fl)
@@ -1696,7 +1698,7 @@ cdef class Worker:
         cdef int rc
         remaining = -1.0 if deadline < 0 else max(0.0, deadline - monotonic_now())
         try:
-            ch = self.backend.connect(host, port, remaining, our_max_recv(self.w), self.options)
+            ch = self.backend.connect(self.domain, host, port, remaining, our_max_recv(self.w), self.options)
         except TimeoutError as e:
             raise _errors.Timeout(str(e)) from None
         except OSError as e:
