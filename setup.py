@@ -6,6 +6,9 @@ fabric interface (fabric/backends/interface.pxd), never a concrete backend.
 Set FABRIC_DEBUG_BUILD=1 for bounds/None checks and assertions in the C code.
 """
 import os
+import shutil
+import subprocess
+import sys
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
@@ -19,6 +22,44 @@ def ext(name, **kw):
     return Extension(name, [path], extra_compile_args=CFLAGS + ["-Wno-unused-function"], **kw)
 
 
+def find_ucx():
+    """Where to build the ucx backend from, by this rule (README, "UCX builds"):
+    FABRIC_UCX_PREFIX=<dir with include/ and lib/> wins; else FABRIC_UCX=wheel
+    uses the libucx-cu12 wheel, FABRIC_UCX=system uses pkg-config ucx (Debian's
+    libucx-dev), FABRIC_UCX=off skips; the default (auto) tries the wheel, then
+    the system. Returns (include_dir, lib_dir, rpaths, origin) or None."""
+    choice = os.environ.get("FABRIC_UCX", "auto").lower()
+    prefix = os.environ.get("FABRIC_UCX_PREFIX")
+    if choice == "off":
+        return None
+    if prefix:
+        return (os.path.join(prefix, "include"), os.path.join(prefix, "lib"),
+                [os.path.join(prefix, "lib")], "prefix " + prefix)
+    if choice in ("auto", "wheel"):
+        try:
+            import libucx
+            base = os.path.dirname(libucx.__file__)
+            if os.path.exists(os.path.join(base, "include", "ucp", "api", "ucp.h")):
+                lib = os.path.join(base, "lib")
+                # the wheel's libraries sit beside fabric in site-packages
+                return (os.path.join(base, "include"), lib, [lib, "$ORIGIN/../../libucx/lib"], "wheel libucx")
+        except ImportError:
+            pass
+        if choice == "wheel":
+            sys.exit("FABRIC_UCX=wheel, but the libucx wheel is not importable (pip install libucx-cu12)")
+    if choice in ("auto", "system") and shutil.which("pkg-config"):
+        try:
+            inc = subprocess.check_output(["pkg-config", "--variable=includedir", "ucx"], text=True).strip()
+            lib = subprocess.check_output(["pkg-config", "--variable=libdir", "ucx"], text=True).strip()
+            if os.path.exists(os.path.join(inc, "ucp", "api", "ucp.h")):
+                return inc, lib, [], "system (pkg-config ucx)"
+        except (OSError, subprocess.CalledProcessError):
+            pass
+    if choice == "system":
+        sys.exit("FABRIC_UCX=system, but pkg-config finds no UCX (apt install libucx-dev)")
+    return None
+
+
 extensions = [
     ext("fabric.backends.interface"),
     ext("fabric.backends.sockets"),
@@ -26,6 +67,16 @@ extensions = [
     ext("fabric.protocol.frame"),
     ext("fabric.protocol.engine"),
 ]
+
+ucx = find_ucx()
+if ucx is None:
+    print("fabric: no UCX headers found; the ucx backend is not built "
+          "(pip install libucx-cu12 or apt install libucx-dev, then rebuild)", file=sys.stderr)
+else:
+    inc, lib, rpaths, origin = ucx
+    print(f"fabric: building the ucx backend against {origin}: {inc}", file=sys.stderr)
+    extensions.append(ext("fabric.backends.ucx", include_dirs=[inc, "fabric/backends"],
+                          library_dirs=[lib], libraries=["ucp", "ucs"], runtime_library_dirs=rpaths))
 
 setup(
     ext_modules=cythonize(

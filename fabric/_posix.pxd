@@ -70,6 +70,7 @@ cdef extern from "<sys/socket.h>" nogil:
     int getsockopt(int fd, int level, int name, void* val, socklen_t* len)
     ssize_t sendmsg(int fd, const msghdr* msg, int flags)
     ssize_t recv(int fd, void* buf, size_t n, int flags)
+    ssize_t send(int fd, const void* buf, size_t n, int flags)
     int shutdown(int fd, int how)
 
 cdef extern from "<netinet/in.h>" nogil:

@@ -16,15 +16,21 @@ from fabric import backends
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-ENDPOINT_BACKENDS = [b for b in os.environ.get("FABRIC_TEST_BACKENDS", "tcp,ucx,verbs").split(",") if b]
+# A variant is a backend plus the transport environment it runs with: ucx is
+# tested over UCX's tcp transport and over shared memory.
+VARIANTS = {"tcp": ("tcp", {}), "ucx-tcp": ("ucx", {"UCX_TLS": "tcp"}),
+            "ucx-sm": ("ucx", {"UCX_TLS": "sm"}), "verbs": ("verbs", {})}
+ENDPOINT_BACKENDS = [b for b in os.environ.get("FABRIC_TEST_BACKENDS", ",".join(VARIANTS)).split(",") if b]
 
 
 @pytest.fixture(params=ENDPOINT_BACKENDS)
-def backend_name(request):
-    name = request.param
+def backend_name(request, monkeypatch):
+    name, env = VARIANTS[request.param]
     ok, reason = backends.available().get(name, (False, "unknown backend"))
     if not ok:
         pytest.skip(f"backend {name} unavailable here: {reason}")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)      # read when each Fabric (and peer process) starts
     return name
 
 

@@ -39,7 +39,8 @@ static inline ucs_status_t fab_ucx_init(ucp_context_h *context, ucp_worker_h *wo
     wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE | UCP_WORKER_PARAM_FIELD_EVENTS;
     /* fabric serializes every call under its worker mutex */
     wparams.thread_mode = UCS_THREAD_MODE_SERIALIZED;
-    wparams.events = UCP_WAKEUP_AM | UCP_WAKEUP_RMA | UCP_WAKEUP_TX | UCP_WAKEUP_RX;
+    wparams.events = UCP_WAKEUP_RMA | UCP_WAKEUP_AMO | UCP_WAKEUP_TAG_SEND | UCP_WAKEUP_TAG_RECV |
+                     UCP_WAKEUP_TX | UCP_WAKEUP_RX;
     status = ucp_worker_create(*context, &wparams, worker);
     if (status != UCS_OK)
         ucp_cleanup(*context);
@@ -60,14 +61,17 @@ static inline ucs_status_t fab_ucx_set_am_handler(ucp_worker_h worker, ucp_am_re
 }
 
 static inline ucs_status_t fab_ucx_ep_create(ucp_worker_h worker, const ucp_address_t *address,
-                                             ucp_err_handler_cb_t on_error, void *arg, ucp_ep_h *ep)
+                                             int peer_errors, ucp_err_handler_cb_t on_error, void *arg,
+                                             ucp_ep_h *ep)
 {
     ucp_ep_params_t p;
     memset(&p, 0, sizeof(p));
     p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
     p.address = address;
-    p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    /* PEER: UCX reports a failed peer. Shared-memory transports cannot, so
+     * there the caller passes 0 and watches its bootstrap socket instead. */
+    p.err_mode = peer_errors ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
     p.err_handler.cb = on_error;
     p.err_handler.arg = arg;
     return ucp_ep_create(worker, &p, ep);

@@ -1,0 +1,881 @@
+# cython: language_level=3
+"""The UCX fabric: UCP bound directly (see ucx_shim.h for the few wrappers).
+
+Per Fabric, one UCP context and worker (the "domain"). Connections are set up
+by a TCP bootstrap that exchanges worker addresses and channel keys; the
+bootstrap socket stays open as a liveness monitor (UCX's own peer-failure
+detection covers the rest). Fabric messages travel as UCP active messages
+(always eager, whole, kept by UCX until the next poll: no copy); the engine's
+rendezvous pulls run on ucp_get_nbx from regions mapped with ucp_mem_map,
+whose packed rkeys travel in the engine's RNDV frames. Blocking waits use the
+worker's event fd (ucp_worker_arm), so an idle endpoint costs no CPU.
+
+Bootstrap message, each way, little-endian:
+    "FUCX" | u16 version 1 | u16 0 | u64 channel key | u32 address length | address
+"""
+import os
+
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
+from libc.stdlib cimport malloc, calloc, realloc, free
+from libc.string cimport memcpy, memset
+from posix.uio cimport iovec
+
+from fabric._posix cimport *
+from fabric.backends.interface cimport *
+from fabric.backends.sockets cimport (accept_socket, connect_socket, listen_socket,
+                                     local_and_peer_names, tune_socket)
+
+cdef extern from "ucx_shim.h" nogil:
+    ctypedef int ucs_status_t
+    ctypedef void* ucs_status_ptr_t
+    ctypedef struct ucp_context:
+        pass
+    ctypedef struct ucp_worker:
+        pass
+    ctypedef struct ucp_ep:
+        pass
+    ctypedef struct ucp_mem:
+        pass
+    ctypedef struct ucp_rkey:
+        pass
+    ctypedef struct ucp_address_t:
+        pass
+    ctypedef ucp_context* ucp_context_h
+    ctypedef ucp_worker* ucp_worker_h
+    ctypedef ucp_ep* ucp_ep_h
+    ctypedef ucp_mem* ucp_mem_h
+    ctypedef ucp_rkey* ucp_rkey_h
+    ctypedef struct ucp_dt_iov_t:
+        void* buffer
+        size_t length
+    ctypedef struct ucp_am_recv_param_t:
+        uint64_t recv_attr
+    ctypedef ucs_status_t (*ucp_am_recv_callback_t)(void* arg, const void* header, size_t header_length,
+                                                    void* data, size_t length,
+                                                    const ucp_am_recv_param_t* param) noexcept nogil
+    ctypedef void (*ucp_send_nbx_callback_t)(void* request, ucs_status_t status, void* user_data) noexcept nogil
+    ctypedef void (*ucp_err_handler_cb_t)(void* arg, ucp_ep_h ep, ucs_status_t status) noexcept nogil
+    enum:
+        UCS_OK
+        UCS_INPROGRESS
+        UCS_ERR_BUSY
+        UCP_AM_RECV_ATTR_FLAG_DATA
+
+    unsigned fab_ucx_api_version()
+    unsigned fab_ucx_runtime_version()
+    ucs_status_t fab_ucx_init(ucp_context_h* context, ucp_worker_h* worker)
+    ucs_status_t fab_ucx_set_am_handler(ucp_worker_h worker, ucp_am_recv_callback_t cb, void* arg)
+    ucs_status_t fab_ucx_ep_create(ucp_worker_h worker, const ucp_address_t* address, int peer_errors,
+                                   ucp_err_handler_cb_t on_error, void* arg, ucp_ep_h* ep)
+    ucs_status_ptr_t fab_ucx_ep_close(ucp_ep_h ep, int force)
+    ucs_status_ptr_t fab_ucx_am_send(ucp_ep_h ep, const void* header, size_t header_length,
+                                     const ucp_dt_iov_t* iov, size_t iovcnt,
+                                     ucp_send_nbx_callback_t cb, void* user_data)
+    ucs_status_ptr_t fab_ucx_get(ucp_ep_h ep, void* dst, size_t length, uint64_t raddr,
+                                 ucp_rkey_h rkey, ucp_send_nbx_callback_t cb, void* user_data)
+    ucs_status_ptr_t fab_ucx_put(ucp_ep_h ep, const void* src, size_t length, uint64_t raddr,
+                                 ucp_rkey_h rkey, ucp_send_nbx_callback_t cb, void* user_data)
+    ucs_status_t fab_ucx_mem_map(ucp_context_h context, void* address, size_t length, ucp_mem_h* memh)
+    int fab_ucx_is_ptr(ucs_status_ptr_t p)
+    int fab_ucx_is_err(ucs_status_ptr_t p)
+    ucs_status_t fab_ucx_status(ucs_status_ptr_t p)
+
+    unsigned ucp_worker_progress(ucp_worker_h worker)
+    ucs_status_t ucp_worker_get_efd(ucp_worker_h worker, int* fd)
+    ucs_status_t ucp_worker_arm(ucp_worker_h worker)
+    ucs_status_t ucp_worker_get_address(ucp_worker_h worker, ucp_address_t** address, size_t* length)
+    void ucp_worker_release_address(ucp_worker_h worker, ucp_address_t* address)
+    void ucp_worker_destroy(ucp_worker_h worker)
+    void ucp_cleanup(ucp_context_h context)
+    void ucp_request_free(void* request)
+    ucs_status_t ucp_request_check_status(void* request)
+    ucs_status_t ucp_rkey_pack(ucp_context_h context, ucp_mem_h memh, void** rkey_buffer, size_t* size)
+    void ucp_rkey_buffer_release(void* rkey_buffer)
+    ucs_status_t ucp_ep_rkey_unpack(ucp_ep_h ep, const void* rkey_buffer, ucp_rkey_h* rkey)
+    void ucp_rkey_destroy(ucp_rkey_h rkey)
+    ucs_status_t ucp_mem_unmap(ucp_context_h context, ucp_mem_h memh)
+    void ucp_am_data_release(ucp_worker_h worker, void* data)
+    const char* ucs_status_string(ucs_status_t status)
+
+cdef enum:
+    BOOT_MAGIC = 0x58435546      # "FUCX"
+    BOOT_VERSION = 1
+    BOOT_FIXED = 20
+    MAX_ADDRESS = 65536
+    ST_BOOT = 1
+    ST_READY = 2
+    R_SEND = 1
+    R_GET = 2
+    R_PUT = 3
+    LIVENESS_EVERY = 256         # polls between checks of the bootstrap socket
+    EIO_ = 5
+    ECONNREFUSED_ = 111
+
+# The version this module was compiled against; refuse a different runtime
+# (libucp.so.0 is the soname of both the wheel and Debian's UCX).
+BUILT_API = fab_ucx_api_version()
+
+
+cdef struct ucx_event:
+    int kind
+    int status
+    uint64_t ctx
+    char* data
+    size_t length
+    int am_data          # data is UCX's (release with ucp_am_data_release), else NULL
+
+cdef struct ucx_mrnode:
+    ucx_mrnode* prev
+    ucx_mrnode* next
+    ucp_mem_h memh
+
+cdef struct ucx_deferred:
+    ucx_deferred* next
+    uint64_t ctx
+    int iovcnt
+    ucp_dt_iov_t iov[1]  # iovcnt entries
+
+cdef struct ucx_domain:
+    ucp_context_h context
+    ucp_worker_h worker
+    int efd
+    int peer_errors      # ask UCX for peer-failure reports (not on shared memory only)
+    int refs
+    ucx_chan** chans     # channel table, for routing active messages
+    uint32_t* gens
+    uint32_t nchans
+
+cdef struct ucx_chan:
+    fab_channel base
+    ucx_domain* dom
+    uint64_t key
+    uint64_t peer_key
+    ucp_ep_h ep
+    int state
+    int sock
+    int ep_failed
+    int peer_gone
+    uint32_t polls
+    # bootstrap
+    char* bout
+    size_t bout_len
+    size_t bout_done
+    char* bin
+    size_t bin_len
+    size_t bin_need
+    ucx_deferred* deferred
+    ucx_deferred* deferred_tail
+    # completions
+    ucx_event* q
+    uint32_t qcap
+    uint32_t qhead
+    uint32_t qcount
+    ucx_event* handed          # RECV data handed out by the last poll, released at the next
+    uint32_t nhanded
+    uint32_t handed_cap
+    int inflight               # UCX requests that still reference this channel
+    int closed                 # closed by the engine; freed when inflight drops to 0
+    ucx_mrnode* mrs
+
+cdef struct ucx_req:
+    ucx_chan* ch
+    int kind
+    uint64_t ctx
+    ucp_rkey_h rkey
+    int iovcnt
+    ucp_dt_iov_t iov[1]
+
+cdef struct ucx_lst:
+    fab_listener base
+    ucx_domain* dom
+
+
+cdef fab_channel_ops UCX_OPS
+UCX_OPS.send = ucx_send
+UCX_OPS.reg = ucx_reg
+UCX_OPS.dereg = ucx_dereg
+UCX_OPS.read = ucx_read
+UCX_OPS.write = NULL
+UCX_OPS.cancel_read = ucx_cancel_read
+UCX_OPS.poll = ucx_poll
+UCX_OPS.arm = ucx_arm
+UCX_OPS.close = ucx_close
+
+
+cdef inline void put32(char* p, uint32_t v) noexcept nogil:
+    memcpy(p, &v, 4)
+
+cdef inline void put64(char* p, uint64_t v) noexcept nogil:
+    memcpy(p, &v, 8)
+
+cdef inline uint32_t get32(const char* p) noexcept nogil:
+    cdef uint32_t v
+    memcpy(&v, p, 4)
+    return v
+
+cdef inline uint64_t get64(const char* p) noexcept nogil:
+    cdef uint64_t v
+    memcpy(&v, p, 8)
+    return v
+
+
+# ------------------------------------------------------------------ domain
+
+cdef void domain_unref(ucx_domain* d) noexcept nogil:
+    d.refs -= 1
+    if d.refs == 0:
+        ucp_worker_destroy(d.worker)
+        ucp_cleanup(d.context)
+        free(d.chans)
+        free(d.gens)
+        free(d)
+
+cdef uint64_t domain_add(ucx_domain* d, ucx_chan* ch) noexcept nogil:
+    cdef uint32_t i, n
+    cdef ucx_chan** grown
+    cdef uint32_t* ggens
+    for i in range(d.nchans):
+        if d.chans[i] == NULL:
+            break
+    else:
+        n = d.nchans * 2 if d.nchans else 16
+        grown = <ucx_chan**>realloc(d.chans, n * sizeof(ucx_chan*))
+        if grown == NULL:
+            return 0
+        d.chans = grown
+        ggens = <uint32_t*>realloc(d.gens, n * sizeof(uint32_t))
+        if ggens == NULL:
+            return 0
+        d.gens = ggens
+        for i in range(d.nchans, n):
+            d.chans[i] = NULL
+            d.gens[i] = 0
+        i = d.nchans
+        d.nchans = n
+    d.gens[i] += 1
+    d.chans[i] = ch
+    return (<uint64_t>d.gens[i] << 32) | i
+
+cdef ucx_chan* domain_find(ucx_domain* d, uint64_t key) noexcept nogil:
+    cdef uint32_t slot = <uint32_t>(key & 0xFFFFFFFFU)
+    if slot >= d.nchans or d.chans[slot] == NULL or d.chans[slot].key != key:
+        return NULL
+    return d.chans[slot]
+
+
+cdef class UcxDomain:
+    """One UCP context and worker, kept alive by its Fabric."""
+    cdef ucx_domain* d
+
+    def __dealloc__(self):
+        if self.d != NULL:
+            domain_unref(self.d)
+            self.d = NULL
+
+
+# ------------------------------------------------------------ completions
+
+cdef int push_event(ucx_chan* ch, int kind, int status, uint64_t ctx, char* data, size_t length,
+                    int am_data) noexcept nogil:
+    cdef ucx_event* grown
+    cdef uint32_t n, i
+    if ch.qcount == ch.qcap:
+        n = ch.qcap * 2 if ch.qcap else 64
+        grown = <ucx_event*>malloc(n * sizeof(ucx_event))
+        if grown == NULL:
+            fab_fail(&ch.base, ENOMEM, "completion queue")
+            return -1
+        for i in range(ch.qcount):
+            grown[i] = ch.q[(ch.qhead + i) % ch.qcap]
+        free(ch.q)
+        ch.q = grown
+        ch.qcap = n
+        ch.qhead = 0
+    i = (ch.qhead + ch.qcount) % ch.qcap
+    ch.q[i].kind = kind
+    ch.q[i].status = status
+    ch.q[i].ctx = ctx
+    ch.q[i].data = data
+    ch.q[i].length = length
+    ch.q[i].am_data = am_data
+    ch.qcount += 1
+    return 0
+
+cdef void release_data(ucx_chan* ch, ucx_event* ev) noexcept nogil:
+    if ev.data != NULL:
+        if ev.am_data:
+            ucp_am_data_release(ch.dom.worker, ev.data)
+        else:
+            free(ev.data)
+        ev.data = NULL
+
+cdef void maybe_free_channel(ucx_chan* ch) noexcept nogil:
+    """A closed channel goes once UCX no longer holds requests naming it."""
+    cdef uint32_t i
+    if not ch.closed or ch.inflight > 0:
+        return
+    for i in range(ch.qcount):
+        release_data(ch, &ch.q[(ch.qhead + i) % ch.qcap])
+    free(ch.q)
+    free(ch.handed)
+    domain_unref(ch.dom)
+    free(ch)
+
+cdef void on_request_done(void* request, ucs_status_t status, void* user_data) noexcept nogil:
+    """Completion of a send or a get (runs inside ucp_worker_progress)."""
+    cdef ucx_req* r = <ucx_req*>user_data
+    cdef ucx_chan* ch = r.ch
+    if r.rkey != NULL:
+        ucp_rkey_destroy(r.rkey)
+    ch.inflight -= 1
+    if not ch.closed:
+        if r.kind == R_SEND:
+            if status != UCS_OK:
+                fab_fail(&ch.base, ECONNRESET, ucs_status_string(status))
+            push_event(ch, FAB_EV_SEND, 0, r.ctx, NULL, 0, 0)
+        else:
+            push_event(ch, FAB_EV_READ, 0 if status == UCS_OK else -13, r.ctx, NULL, 0, 0)
+    if request != NULL:
+        ucp_request_free(request)
+    free(r)
+    maybe_free_channel(ch)
+
+cdef void on_ep_error(void* arg, ucp_ep_h ep, ucs_status_t status) noexcept nogil:
+    cdef ucx_chan* ch = <ucx_chan*>arg
+    ch.ep_failed = 1
+    if not ch.closed:
+        fab_fail(&ch.base, ECONNRESET, ucs_status_string(status))
+
+cdef ucs_status_t on_am(void* arg, const void* header, size_t header_length, void* data,
+                        size_t length, const ucp_am_recv_param_t* param) noexcept nogil:
+    """An arriving fabric message: route it by the channel key in its header
+    and keep UCX's buffer until the engine has consumed it."""
+    cdef ucx_domain* d = <ucx_domain*>arg
+    cdef ucx_chan* ch
+    cdef char* copy
+    if header_length != 8:
+        return UCS_OK
+    ch = domain_find(d, get64(<const char*>header))
+    if ch == NULL or ch.closed or ch.base.failed:
+        return UCS_OK           # a message for a channel that is gone
+    if length > ch.base.max_recv:
+        fab_fail(&ch.base, EPROTO, "peer sent a fabric message larger than this endpoint accepts")
+        return UCS_OK
+    if param.recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA:
+        if push_event(ch, FAB_EV_RECV, 0, 0, <char*>data, length, 1) < 0:
+            return UCS_OK
+        return UCS_INPROGRESS
+    copy = <char*>malloc(length if length else 1)
+    if copy == NULL:
+        fab_fail(&ch.base, ENOMEM, "receive")
+        return UCS_OK
+    memcpy(copy, data, length)
+    push_event(ch, FAB_EV_RECV, 0, 0, copy, length, 0)
+    return UCS_OK
+
+
+# --------------------------------------------------------------- bootstrap
+
+cdef int post_am(ucx_chan* ch, ucp_dt_iov_t* iov, int iovcnt, uint64_t ctx, int deferred) noexcept nogil:
+    cdef ucx_req* r = <ucx_req*>malloc(sizeof(ucx_req) + iovcnt * sizeof(ucp_dt_iov_t))
+    cdef ucs_status_ptr_t sp
+    if r == NULL:
+        return fab_fail(&ch.base, ENOMEM, "send")
+    r.ch = ch
+    r.kind = R_SEND
+    r.ctx = ctx
+    r.rkey = NULL
+    r.iovcnt = iovcnt
+    memcpy(r.iov, iov, iovcnt * sizeof(ucp_dt_iov_t))
+    sp = fab_ucx_am_send(ch.ep, &ch.peer_key, 8, r.iov, iovcnt, on_request_done, r)
+    if sp == NULL:
+        free(r)
+        if deferred:        # the engine was told FAB_PENDING: report completion
+            push_event(ch, FAB_EV_SEND, 0, ctx, NULL, 0, 0)
+        return FAB_DONE
+    if fab_ucx_is_err(sp):
+        free(r)
+        return fab_fail(&ch.base, ECONNRESET, ucs_status_string(fab_ucx_status(sp)))
+    ch.inflight += 1
+    return FAB_PENDING
+
+cdef int boot_make(ucx_chan* ch) noexcept nogil:
+    cdef ucp_address_t* address
+    cdef size_t alen
+    if ucp_worker_get_address(ch.dom.worker, &address, &alen) != UCS_OK:
+        return fab_fail(&ch.base, EIO_, "ucp_worker_get_address failed")
+    ch.bout = <char*>malloc(BOOT_FIXED + alen)
+    if ch.bout == NULL:
+        ucp_worker_release_address(ch.dom.worker, address)
+        return fab_fail(&ch.base, ENOMEM, "bootstrap")
+    put32(ch.bout, BOOT_MAGIC)
+    put32(ch.bout + 4, BOOT_VERSION)
+    put64(ch.bout + 8, ch.key)
+    put32(ch.bout + 16, <uint32_t>alen)
+    memcpy(ch.bout + BOOT_FIXED, address, alen)
+    ch.bout_len = BOOT_FIXED + alen
+    ucp_worker_release_address(ch.dom.worker, address)
+    ch.bin = <char*>malloc(BOOT_FIXED)
+    ch.bin_need = BOOT_FIXED
+    if ch.bin == NULL:
+        return fab_fail(&ch.base, ENOMEM, "bootstrap")
+    return 0
+
+cdef int boot_progress(ucx_chan* ch) noexcept nogil:
+    """Exchange bootstrap messages without blocking; create the UCP endpoint
+    once the peer's address is in. 0, or -errno."""
+    cdef ssize_t r
+    cdef uint32_t alen
+    cdef char* grown
+    cdef ucx_deferred* dq
+    cdef int rc
+    cdef epoll_event ev
+    cdef ucs_status_t st
+    while ch.bout_done < ch.bout_len:
+        r = send(ch.sock, ch.bout + ch.bout_done, ch.bout_len - ch.bout_done, MSG_DONTWAIT | MSG_NOSIGNAL)
+        if r < 0:
+            if errno == EAGAIN or errno == EINTR:
+                break
+            return fab_fail(&ch.base, errno, "bootstrap send")
+        ch.bout_done += <size_t>r
+    while ch.bin_len < ch.bin_need:
+        r = recv(ch.sock, ch.bin + ch.bin_len, ch.bin_need - ch.bin_len, MSG_DONTWAIT)
+        if r == 0:
+            return fab_fail(&ch.base, ECONNRESET, "peer closed the bootstrap connection")
+        if r < 0:
+            if errno == EAGAIN or errno == EINTR:
+                return 0
+            return fab_fail(&ch.base, errno, "bootstrap recv")
+        ch.bin_len += <size_t>r
+        if ch.bin_len == BOOT_FIXED and ch.bin_need == BOOT_FIXED:
+            alen = get32(ch.bin + 16)
+            if get32(ch.bin) != BOOT_MAGIC or get32(ch.bin + 4) != BOOT_VERSION:
+                return fab_fail(&ch.base, EPROTO, "peer is not a fabric ucx endpoint (bad bootstrap)")
+            if alen == 0 or alen > MAX_ADDRESS:
+                return fab_fail(&ch.base, EPROTO, "peer sent an implausible UCX worker address")
+            grown = <char*>realloc(ch.bin, BOOT_FIXED + alen)
+            if grown == NULL:
+                return fab_fail(&ch.base, ENOMEM, "bootstrap")
+            ch.bin = grown
+            ch.bin_need = BOOT_FIXED + alen
+    if ch.bout_done < ch.bout_len or ch.bin_len < ch.bin_need:
+        return 0
+    ch.peer_key = get64(ch.bin + 8)
+    st = UCS_ERR_BUSY
+    if ch.dom.peer_errors:
+        st = fab_ucx_ep_create(ch.dom.worker, <ucp_address_t*>(ch.bin + BOOT_FIXED), 1, on_ep_error, ch, &ch.ep)
+        if st != UCS_OK:
+            ch.dom.peer_errors = 0     # these transports cannot; remember for this Fabric
+    if st != UCS_OK:
+        st = fab_ucx_ep_create(ch.dom.worker, <ucp_address_t*>(ch.bin + BOOT_FIXED), 0, on_ep_error, ch, &ch.ep)
+    if st != UCS_OK:
+        return fab_fail(&ch.base, ECONNREFUSED_, "cannot reach the peer's UCX worker (check UCX_TLS on both sides)")
+    ch.state = ST_READY
+    ev.events = EPOLLIN
+    ev.data.u64 = 1
+    epoll_ctl(ch.base.fd, EPOLL_CTL_MOD, ch.sock, &ev)
+    free(ch.bin)
+    free(ch.bout)
+    ch.bin = ch.bout = NULL
+    # the socket now only tells us if the peer goes away
+    while ch.deferred != NULL:
+        dq = ch.deferred
+        ch.deferred = dq.next
+        rc = post_am(ch, dq.iov, dq.iovcnt, dq.ctx, 1)
+        free(dq)
+        if rc < 0:
+            return rc
+    ch.deferred_tail = NULL
+    return 0
+
+
+# ------------------------------------------------------------- operations
+
+cdef int ucx_send(fab_channel* fch, iovec* iov, fab_mr** mrs, int iovcnt, uint64_t ctx) noexcept nogil:
+    cdef ucx_chan* ch = <ucx_chan*>fch
+    cdef ucp_dt_iov_t v[64]
+    cdef ucx_deferred* dq
+    cdef int i
+    if fch.failed:
+        return -fch.failed
+    if iovcnt > 64:
+        return -EINVAL
+    for i in range(iovcnt):
+        v[i].buffer = iov[i].iov_base
+        v[i].length = iov[i].iov_len
+    if ch.state != ST_READY:
+        dq = <ucx_deferred*>malloc(sizeof(ucx_deferred) + iovcnt * sizeof(ucp_dt_iov_t))
+        if dq == NULL:
+            return fab_fail(fch, ENOMEM, "send")
+        dq.next = NULL
+        dq.ctx = ctx
+        dq.iovcnt = iovcnt
+        memcpy(dq.iov, v, iovcnt * sizeof(ucp_dt_iov_t))
+        if ch.deferred_tail == NULL:
+            ch.deferred = dq
+        else:
+            ch.deferred_tail.next = dq
+        ch.deferred_tail = dq
+        return FAB_PENDING
+    return post_am(ch, v, iovcnt, ctx, 0)
+
+cdef int ucx_reg(fab_channel* fch, void* addr, size_t length, fab_mr* mr) noexcept nogil:
+    cdef ucx_chan* ch = <ucx_chan*>fch
+    cdef ucx_mrnode* node
+    cdef void* packed
+    cdef size_t size
+    cdef ucs_status_t st
+    node = <ucx_mrnode*>calloc(1, sizeof(ucx_mrnode))
+    if node == NULL:
+        return -ENOMEM
+    st = fab_ucx_mem_map(ch.dom.context, addr, length, &node.memh)
+    if st != UCS_OK:
+        free(node)
+        return -ENOMEM
+    st = ucp_rkey_pack(ch.dom.context, node.memh, &packed, &size)
+    if st != UCS_OK or size > FAB_MAX_RKEY:
+        if st == UCS_OK:
+            ucp_rkey_buffer_release(packed)
+        ucp_mem_unmap(ch.dom.context, node.memh)
+        free(node)
+        return -EMSGSIZE
+    memcpy(mr.rkey, packed, size)
+    mr.rkey_len = <uint32_t>size
+    ucp_rkey_buffer_release(packed)
+    mr.handle = node
+    mr.addr = <uint64_t><size_t>addr
+    mr.length = length
+    node.next = ch.mrs
+    if ch.mrs != NULL:
+        ch.mrs.prev = node
+    ch.mrs = node
+    return FAB_DONE
+
+cdef void ucx_dereg(fab_channel* fch, fab_mr* mr) noexcept nogil:
+    cdef ucx_chan* ch = <ucx_chan*>fch
+    cdef ucx_mrnode* node = <ucx_mrnode*>mr.handle
+    if node == NULL:
+        return
+    if node.prev != NULL:
+        node.prev.next = node.next
+    else:
+        ch.mrs = node.next
+    if node.next != NULL:
+        node.next.prev = node.prev
+    ucp_mem_unmap(ch.dom.context, node.memh)
+    free(node)
+    mr.handle = NULL
+
+cdef int ucx_read(fab_channel* fch, void* dst, fab_mr* dst_mr, size_t length, uint64_t raddr,
+                  uint8_t* rkey, uint32_t rkey_len, uint64_t ctx) noexcept nogil:
+    cdef ucx_chan* ch = <ucx_chan*>fch
+    cdef ucx_req* r
+    cdef ucp_rkey_h rk
+    cdef ucs_status_ptr_t sp
+    if fch.failed:
+        return -fch.failed
+    if ch.state != ST_READY:
+        return -EINVAL
+    if ucp_ep_rkey_unpack(ch.ep, rkey, &rk) != UCS_OK:
+        return -EINVAL                # the peer offered a key we cannot use
+    r = <ucx_req*>malloc(sizeof(ucx_req))
+    if r == NULL:
+        ucp_rkey_destroy(rk)
+        return fab_fail(fch, ENOMEM, "read")
+    r.ch = ch
+    r.kind = R_GET
+    r.ctx = ctx
+    r.rkey = rk
+    sp = fab_ucx_get(ch.ep, dst, length, raddr, rk, on_request_done, r)
+    if sp == NULL:
+        ucp_rkey_destroy(rk)
+        free(r)
+        push_event(ch, FAB_EV_READ, 0, ctx, NULL, 0, 0)
+        return FAB_PENDING
+    if fab_ucx_is_err(sp):
+        ucp_rkey_destroy(rk)
+        free(r)
+        push_event(ch, FAB_EV_READ, -13, ctx, NULL, 0, 0)
+        return FAB_PENDING
+    ch.inflight += 1
+    return FAB_PENDING
+
+cdef int ucx_cancel_read(fab_channel* fch, uint64_t ctx) noexcept nogil:
+    return 1        # a UCP get cannot be withdrawn: wait for its completion
+
+cdef void check_liveness(ucx_chan* ch) noexcept nogil:
+    """The bootstrap socket closes when the peer process goes away."""
+    cdef char b
+    cdef ssize_t r = recv(ch.sock, &b, 1, MSG_DONTWAIT)
+    if r == 0 or (r < 0 and errno != EAGAIN and errno != EINTR):
+        ch.peer_gone = 1
+    elif r > 0:
+        fab_fail(&ch.base, EPROTO, "unexpected bytes on the bootstrap connection")
+
+cdef int ucx_poll(fab_channel* fch, fab_completion* out, int max_events) noexcept nogil:
+    cdef ucx_chan* ch = <ucx_chan*>fch
+    cdef int n = 0, rounds
+    cdef uint32_t i
+    cdef ucx_event* ev
+    cdef ucx_event* grown
+    # data handed out by the previous poll is consumed now
+    for i in range(ch.nhanded):
+        release_data(ch, &ch.handed[i])
+    ch.nhanded = 0
+    if not fch.failed and ch.state == ST_BOOT:
+        boot_progress(ch)
+    rounds = 0
+    while rounds < 64 and ucp_worker_progress(ch.dom.worker) != 0:
+        fch.activity += 1
+        rounds += 1
+    ch.polls += 1
+    if ch.state == ST_READY and not ch.peer_gone and (ch.polls % LIVENESS_EVERY) == 0:
+        check_liveness(ch)
+    while ch.qcount > 0 and n < max_events:
+        ev = &ch.q[ch.qhead]
+        out[n].kind = ev.kind
+        out[n].status = ev.status
+        out[n].ctx = ev.ctx
+        out[n].data = ev.data
+        out[n].length = ev.length
+        n += 1
+        if ev.kind == FAB_EV_RECV:
+            if ch.nhanded == ch.handed_cap:
+                grown = <ucx_event*>realloc(ch.handed, (ch.handed_cap * 2 + 16) * sizeof(ucx_event))
+                if grown == NULL:
+                    fab_fail(fch, ENOMEM, "receive")
+                    break
+                ch.handed = grown
+                ch.handed_cap = ch.handed_cap * 2 + 16
+            ch.handed[ch.nhanded] = ev[0]
+            ch.nhanded += 1
+        ch.qhead = (ch.qhead + 1) % ch.qcap
+        ch.qcount -= 1
+    if ch.peer_gone and ch.qcount == 0 and not fch.failed:
+        # everything the peer sent before leaving has been delivered above
+        fab_fail(fch, ECONNRESET, "peer closed the connection")
+    if fch.failed and ch.qcount == 0 and n < max_events:
+        out[n].kind = FAB_EV_FAILED
+        out[n].status = -fch.failed
+        out[n].ctx = 0
+        out[n].data = NULL
+        out[n].length = 0
+        n += 1
+    return n
+
+cdef int ucx_arm(fab_channel* fch, uint32_t* events) noexcept nogil:
+    cdef ucx_chan* ch = <ucx_chan*>fch
+    cdef ucs_status_t st
+    cdef epoll_event ev
+    if fch.failed or ch.qcount > 0 or ch.peer_gone:
+        return 1
+    if ch.state == ST_READY:
+        check_liveness(ch)
+        if ch.peer_gone or fch.failed:
+            return 1
+        st = ucp_worker_arm(ch.dom.worker)
+        if st == UCS_ERR_BUSY:
+            return 1
+    else:
+        # bootstrap: wait for the socket (writable while our message is out)
+        ev.events = EPOLLIN | (EPOLLOUT if ch.bout_done < ch.bout_len else 0)
+        ev.data.u64 = 1
+        epoll_ctl(fch.fd, EPOLL_CTL_MOD, ch.sock, &ev)
+    events[0] = EPOLLIN
+    return 0
+
+cdef void ucx_close(fab_channel* fch) noexcept nogil:
+    """Close the UCP endpoint (forced: outstanding requests are cancelled),
+    release every mapping, and free the channel once UCX holds no request
+    naming it."""
+    cdef ucx_chan* ch = <ucx_chan*>fch
+    cdef ucs_status_ptr_t sp
+    cdef double deadline
+    cdef ucx_mrnode* node
+    cdef ucx_deferred* dq
+    cdef uint32_t i
+    cdef ucx_domain* d = ch.dom
+    if ch.closed:
+        return
+    if (ch.key & 0xFFFFFFFFU) < d.nchans and d.chans[ch.key & 0xFFFFFFFFU] == ch:
+        d.chans[ch.key & 0xFFFFFFFFU] = NULL
+    if ch.ep != NULL:
+        sp = fab_ucx_ep_close(ch.ep, 1)
+        if fab_ucx_is_ptr(sp):
+            deadline = monotonic_now() + 5.0
+            while ucp_request_check_status(sp) == UCS_INPROGRESS and monotonic_now() < deadline:
+                ucp_worker_progress(d.worker)
+            ucp_request_free(sp)
+        ch.ep = NULL
+    # cancelled requests complete during progress; give them a bounded chance
+    deadline = monotonic_now() + 5.0
+    while ch.inflight > 0 and monotonic_now() < deadline:
+        ucp_worker_progress(d.worker)
+    for i in range(ch.nhanded):
+        release_data(ch, &ch.handed[i])
+    ch.nhanded = 0
+    while ch.mrs != NULL:
+        node = ch.mrs
+        ch.mrs = node.next
+        ucp_mem_unmap(d.context, node.memh)
+        free(node)
+    while ch.deferred != NULL:
+        dq = ch.deferred
+        ch.deferred = dq.next
+        free(dq)
+    free(ch.bin)
+    free(ch.bout)
+    if ch.sock >= 0:
+        close(ch.sock)
+    if fch.fd >= 0:
+        close(fch.fd)
+        fch.fd = -1
+    ch.closed = 1
+    maybe_free_channel(ch)
+
+
+# ------------------------------------------------------------- set-up
+
+cdef fab_channel* new_channel(ucx_domain* d, int sock, size_t max_recv) noexcept nogil:
+    cdef ucx_chan* ch = <ucx_chan*>calloc(1, sizeof(ucx_chan))
+    cdef epoll_event ev
+    if ch == NULL:
+        return NULL
+    ch.base.ops = &UCX_OPS
+    ch.base.caps = FAB_CAP_NATIVE_READ | FAB_CAP_SEND_ANY_MEMORY | FAB_CAP_READ_ANY_MEMORY
+    ch.base.max_recv = max_recv
+    ch.base.send_depth = 64
+    ch.dom = d
+    ch.sock = sock
+    ch.state = ST_BOOT
+    d.refs += 1
+    # A private epoll set joins the worker's event fd (shared by every channel
+    # of this Fabric) and the bootstrap socket into the one fd the engine watches.
+    ch.base.fd = epoll_create1(EPOLL_CLOEXEC)
+    ch.key = domain_add(d, ch)
+    if ch.base.fd < 0 or ch.key == 0:
+        ch.closed = 1
+        if ch.base.fd >= 0:
+            close(ch.base.fd)
+        d.refs -= 1
+        free(ch)
+        return NULL
+    ev.events = EPOLLIN
+    ev.data.u64 = 0
+    epoll_ctl(ch.base.fd, EPOLL_CTL_ADD, d.efd, &ev)
+    ev.events = EPOLLIN | EPOLLOUT
+    ev.data.u64 = 1
+    epoll_ctl(ch.base.fd, EPOLL_CTL_ADD, sock, &ev)
+    local_and_peer_names(sock, ch.base.local_name, ch.base.peer_name, 64)
+    if boot_make(ch) < 0:
+        return &ch.base           # failed: the engine reports it and closes
+    boot_progress(ch)
+    return &ch.base
+
+
+cdef int ucx_accept(fab_listener* lst, size_t max_recv, fab_channel** out) noexcept nogil:
+    cdef ucx_lst* l = <ucx_lst*>lst
+    cdef int fd = accept_socket(lst.fd)
+    if fd < 0:
+        return EAGAIN if fd == -EAGAIN else fd
+    tune_socket(fd, 30000, 10)
+    out[0] = new_channel(l.dom, fd, max_recv)
+    if out[0] == NULL:
+        close(fd)
+        return -ENOMEM
+    return 0
+
+
+cdef void ucx_close_listener(fab_listener* lst) noexcept nogil:
+    cdef ucx_lst* l = <ucx_lst*>lst
+    if lst.fd >= 0:
+        close(lst.fd)
+    domain_unref(l.dom)
+    free(lst)
+
+
+SHARED_MEMORY_TLS = {"sm", "shm", "sysv", "posix", "cma", "knem", "xpmem", "self", "mm"}
+
+
+def shared_memory_only(tls):
+    """True if UCX_TLS names only shared-memory transports, which cannot
+    report a failed peer (fabric then relies on its bootstrap socket)."""
+    names = [t.strip().lstrip("^") for t in tls.split(",") if t.strip()]
+    return bool(names) and not tls.strip().startswith("^") and all(n in SHARED_MEMORY_TLS for n in names)
+
+
+def runtime_version():
+    """(compiled API version, loaded library version) as (major, minor) pairs."""
+    cdef unsigned built = fab_ucx_api_version(), loaded = fab_ucx_runtime_version()
+    return (built >> 24, (built >> 16) & 0xFF), (loaded >> 24, (loaded >> 16) & 0xFF)
+
+
+cdef class UcxBackend(Backend):
+    """UCX through UCP: active messages for eager frames, ucp_get for pulls."""
+
+    def __init__(self):
+        self.name = "ucx"
+        self.caps = FAB_CAP_NATIVE_READ | FAB_CAP_SEND_ANY_MEMORY | FAB_CAP_READ_ANY_MEMORY
+
+    def default_options(self):
+        # A UCX rendezvous costs one control round trip; shared memory moves
+        # 64 KiB in a few microseconds, so pull above it.
+        return {"eager_limit": 65536, "chunk_size": 4 << 20, "chunks_in_flight": 4,
+                "coalesce_limit": 65536 + 4096, "credits": 32}
+
+    @staticmethod
+    def available():
+        built, loaded = runtime_version()
+        if built != loaded:
+            return False, (f"fabric was built against UCX {built[0]}.{built[1]} but loaded UCX "
+                           f"{loaded[0]}.{loaded[1]} (both use libucp.so.0; see README, 'UCX builds')")
+        return True, f"UCX {loaded[0]}.{loaded[1]}"
+
+    def open_domain(self, dict options):
+        cdef UcxDomain dom = UcxDomain.__new__(UcxDomain)
+        cdef ucx_domain* d = <ucx_domain*>calloc(1, sizeof(ucx_domain))
+        cdef ucs_status_t st
+        if d == NULL:
+            raise MemoryError()
+        with nogil:
+            st = fab_ucx_init(&d.context, &d.worker)
+        if st != UCS_OK:
+            free(d)
+            raise OSError(f"UCX initialisation failed: {ucs_status_string(st).decode()}")
+        d.refs = 1
+        d.peer_errors = not shared_memory_only(os.environ.get("UCX_TLS", ""))
+        dom.d = d
+        if ucp_worker_get_efd(d.worker, &d.efd) != UCS_OK:
+            raise OSError("UCX worker has no event fd")
+        st = fab_ucx_set_am_handler(d.worker, on_am, d)
+        if st != UCS_OK:
+            raise OSError(f"UCX active-message handler: {ucs_status_string(st).decode()}")
+        return dom
+
+    cdef fab_listener* listen(self, object domain, str host, int port, dict options) except NULL:
+        cdef ucx_domain* d = (<UcxDomain?>domain).d
+        cdef ucx_lst* l = <ucx_lst*>calloc(1, sizeof(ucx_lst))
+        if l == NULL:
+            raise MemoryError()
+        try:
+            l.base.fd = listen_socket(host, port, l.base.address, 96)
+        except BaseException:
+            free(l)
+            raise
+        l.base.accept = ucx_accept
+        l.base.close = ucx_close_listener
+        l.dom = d
+        d.refs += 1
+        return &l.base
+
+    cdef fab_channel* connect(self, object domain, str host, int port, double timeout,
+                              size_t max_recv, dict options) except NULL:
+        cdef ucx_domain* d = (<UcxDomain?>domain).d
+        cdef int fd = connect_socket(host, port, timeout)
+        cdef fab_channel* ch
+        tune_socket(fd, int(options.get("tcp_user_timeout_ms", 30000)), int(options.get("tcp_keepalive_s", 10)))
+        ch = new_channel(d, fd, max_recv)
+        if ch == NULL:
+            close(fd)
+            raise MemoryError()
+        return ch
