@@ -139,6 +139,8 @@ def test_many_in_flight_mixed_protocols_checksummed_in_order(pair):
         r.wait(timeout=30)
     t.join(60)
     assert received == [hashlib.sha256(m).digest() for m in messages]
+    # every chunk registration was released once its chunk was pulled
+    assert client.stats()["registered_regions"] == 0
 
 
 @pytest.mark.timeout(60)

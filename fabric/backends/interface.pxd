@@ -20,7 +20,7 @@
 #   * close() releases every resource of the channel, including every region
 #     registered on it; after close() returns the backend touches no memory the
 #     engine gave it (no read still landing in a receive buffer).
-from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
 from posix.uio cimport iovec
 
 # Capability flags (fab_channel.caps / Backend.caps).
@@ -97,6 +97,7 @@ cdef struct fab_channel:
     int send_depth                 # pending sends after which the engine holds (and coalesces)
     int failed
     uint64_t activity              # bumped whenever bytes move; waits keep spinning while it changes
+    int64_t live_regions           # registrations not yet deregistered (leak checks)
     char error[FAB_ERROR_TEXT]
     char local_name[64]
     char peer_name[64]

@@ -294,6 +294,7 @@ cdef int tcp_reg(fab_channel* ch, void* addr, size_t length, fab_mr* mr) noexcep
     c.regions[slot].addr = <char*>addr
     c.regions[slot].length = length
     mr.handle = <void*><size_t>slot
+    ch.live_regions += 1
     mr.addr = <uint64_t><size_t>addr
     mr.length = length
     mr.rkey_len = 8
@@ -305,6 +306,7 @@ cdef void tcp_dereg(fab_channel* ch, fab_mr* mr) noexcept nogil:
     cdef tcp_chan* c = <tcp_chan*>ch
     cdef uint32_t slot = <uint32_t><size_t>mr.handle
     if slot < c.nregions and c.regions[slot].key != 0:
+        ch.live_regions -= 1
         c.regions[slot].key = 0
         c.free_slots[c.nfree] = slot
         c.nfree += 1

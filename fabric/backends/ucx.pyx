@@ -549,6 +549,7 @@ cdef int ucx_reg(fab_channel* fch, void* addr, size_t length, fab_mr* mr) noexce
     if ch.mrs != NULL:
         ch.mrs.prev = node
     ch.mrs = node
+    fch.live_regions += 1
     return FAB_DONE
 
 cdef void ucx_dereg(fab_channel* fch, fab_mr* mr) noexcept nogil:
@@ -565,6 +566,7 @@ cdef void ucx_dereg(fab_channel* fch, fab_mr* mr) noexcept nogil:
     ucp_mem_unmap(ch.dom.context, node.memh)
     free(node)
     mr.handle = NULL
+    fch.live_regions -= 1
 
 cdef int ucx_read(fab_channel* fch, void* dst, fab_mr* dst_mr, size_t length, uint64_t raddr,
                   uint8_t* rkey, uint32_t rkey_len, uint64_t ctx) noexcept nogil:

@@ -2033,7 +2033,8 @@ cdef class Endpoint:
                 "sent_eager": e.sent_eager, "sent_eager_zero_copy": e.sent_eager_zero_copy,
                 "sent_rendezvous": e.sent_rndv, "chunks_announced": e.chunks_announced,
                 "fabric_sends": e.fabric_sends, "frames_sent": e.frames_sent,
-                "fabric_recvs": e.fabric_recvs, "frames_received": e.frames_received}
+                "fabric_recvs": e.fabric_recvs, "frames_received": e.frames_received,
+                "registered_regions": e.ch.live_regions if e.ch != NULL else 0}
 
     def protocol_for(self, size_t size):
         """The protocol a message of `size` bytes takes on this endpoint, and

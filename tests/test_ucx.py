@@ -1,0 +1,68 @@
+"""UCX-specific behaviour (the shared endpoint suite runs on ucx as well)."""
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+import fabric
+from fabric import backends
+from conftest import connect_pair, small_options
+
+ok, reason = backends.available()["ucx"]
+pytestmark = pytest.mark.skipif(not ok, reason=f"backend ucx unavailable here: {reason}")
+
+
+@pytest.fixture(params=["tcp", "sm"])
+def tls(request, monkeypatch):
+    monkeypatch.setenv("UCX_TLS", request.param)
+    return request.param
+
+
+@pytest.mark.timeout(90)
+def test_memory_maps_are_released_after_each_message(tls):
+    fab, other = fabric.Fabric("ucx", **small_options()), fabric.Fabric("ucx", **small_options())
+    client, server = connect_pair(fab, other)
+    size = 5 * small_options()["chunk_size"] + 3
+    for i in range(200):
+        req = client.isend(bytes([i % 256]) * size)
+        assert server.recv(timeout=10)[size - 1] == i % 256
+        req.wait(timeout=10)
+    assert client.stats()["sent_rendezvous"] == 200
+    assert client.stats()["registered_regions"] == 0       # every ucp_mem_map was undone
+    assert server.stats()["registered_regions"] == 0
+    client.close()
+    server.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("garbage", [os.urandom(64), b"FUCX" + bytes(16), b"FUCX\x01\x00\x00\x00" + bytes(8) + b"\xff\xff\xff\xff"])
+def test_listener_survives_garbage(tls, garbage):
+    fab = fabric.Fabric("ucx", **small_options(handshake_timeout=2.0))
+    lst = fab.listen("127.0.0.1:0")
+    host, port = lst.address.rsplit(":", 1)
+    raw = socket.create_connection((host, int(port)))
+    raw.sendall(garbage)
+    with pytest.raises(fabric.Timeout):
+        lst.accept(timeout=0.5)            # the garbage never becomes an endpoint
+    raw.close()
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("s", lst.accept(timeout=10)))
+    t.start()
+    client = fabric.Fabric("ucx", **small_options()).connect(lst.address, timeout=10)
+    t.join(10)
+    client.send(b"fine")
+    assert box["s"].recv(timeout=10) == b"fine"
+    client.close()
+    box["s"].close()
+    lst.close()
+
+
+def test_version_check_reports_both_versions():
+    from fabric.backends import ucx
+    built, loaded = ucx.runtime_version()
+    assert built == loaded
+    assert ucx.shared_memory_only("sm") and ucx.shared_memory_only("posix,cma")
+    assert not ucx.shared_memory_only("tcp") and not ucx.shared_memory_only("sm,tcp")
+    assert not ucx.shared_memory_only("")
