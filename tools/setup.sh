@@ -29,6 +29,13 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip setuptools wheel "Cython>=3.0" 2>&1 | grep -v "^WARNING: Location" || true
+# UCX for the ucx backend: the libucx-cu12 wheel (UCX 1.22, CPU transports);
+# it must be importable before the build finds it. FABRIC_UCX=off skips it,
+# FABRIC_UCX=system builds against Debian's libucx-dev instead (README).
+if [ "${FABRIC_UCX:-auto}" != off ] && [ "${FABRIC_UCX:-auto}" != system ]; then
+    .venv/bin/python -c "import libucx" 2>/dev/null || \
+        .venv/bin/python -m pip install -q "libucx-cu12>=1.18" 2>&1 | grep -v "^WARNING: Location" || true
+fi
 # Editable install: the Cython build runs here and rebuilds changed modules.
 .venv/bin/python -m pip install -q --no-build-isolation -e ".[${EXTRAS}]" 2>&1 | grep -v "^WARNING: Location" || true
 # torch CPU tensors are part of the test suite where a local CPU wheel exists
