@@ -14,6 +14,7 @@ variables and per-Fabric keyword arguments, in increasing order of precedence.
 | spin_us           | FABRIC_SPIN_US              | microseconds of busy polling before a wait blocks |
 | handshake_timeout | FABRIC_HANDSHAKE_TIMEOUT    | seconds a new connection has to complete its handshake |
 | close_linger      | FABRIC_CLOSE_LINGER         | seconds close() waits for queued sends to leave |
+| native_min        | FABRIC_NATIVE_MIN           | messages of at least this size use the fabric's own rendezvous where it has one (ucx); 0: always the engine's |
 | progress_thread   | FABRIC_PROGRESS_THREAD      | 1: a background thread progresses sends, rendezvous and TCP read service while the application is away from fabric (it polls only then); 0: progress happens only inside fabric calls |
 | tcp_user_timeout_ms | FABRIC_TCP_USER_TIMEOUT_MS | tcp: unacknowledged data fails the connection after this long |
 | tcp_keepalive_s   | FABRIC_TCP_KEEPALIVE_S      | tcp: keepalive idle/interval seconds (a silent dead host is detected) |
@@ -48,6 +49,7 @@ KNOBS = {
     "handshake_timeout": ("float", 0.001, 1e6),
     "close_linger": ("float", 0, 1e6),
     "progress_thread": ("int", 0, 1),
+    "native_min": ("size", 0, 1 << 62),
     "tcp_user_timeout_ms": ("int", 0, 1 << 31),
     "tcp_keepalive_s": ("int", 0, 1 << 15),
 }
@@ -65,6 +67,7 @@ COMMON_DEFAULTS = {
     "handshake_timeout": 10.0,
     "close_linger": 5.0,
     "progress_thread": 1,
+    "native_min": 0,
     "tcp_user_timeout_ms": 30000,
     "tcp_keepalive_s": 10,
 }

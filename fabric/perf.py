@@ -19,7 +19,8 @@ import subprocess
 import sys
 import time
 
-KNOB_FLAGS = ("eager_limit", "chunk_size", "chunks_in_flight", "coalesce_limit", "credits", "spin_us")
+KNOB_FLAGS = ("eager_limit", "chunk_size", "chunks_in_flight", "coalesce_limit", "credits", "spin_us",
+              "native_min")
 END_STREAM = b"\xac"
 
 

@@ -66,3 +66,26 @@ def test_version_check_reports_both_versions():
     assert ucx.shared_memory_only("sm") and ucx.shared_memory_only("posix,cma")
     assert not ucx.shared_memory_only("tcp") and not ucx.shared_memory_only("sm,tcp")
     assert not ucx.shared_memory_only("")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("size", [8193, 3 * 16384, 5 * 16384 + 7, 1 << 20])
+def test_native_rendezvous_path(tls, size):
+    """native_min routes large messages through UCX's own rendezvous
+    (UCP_AM_SEND_FLAG_RNDV); data, ordering and recv_into must be the same."""
+    opts = small_options(native_min=8192)
+    fab, other = fabric.Fabric("ucx", **opts), fabric.Fabric("ucx", **opts)
+    client, server = connect_pair(fab, other)
+    msgs = [os.urandom(size), b"small after", os.urandom(size)]
+    reqs = [client.isend(m) for m in msgs]
+    buf = bytearray(size)
+    assert server.recv_into(buf, timeout=10) == size and bytes(buf) == msgs[0]
+    assert server.recv(timeout=10) == msgs[1]
+    assert server.recv(timeout=10) == msgs[2]
+    for r in reqs:
+        r.wait(timeout=10)
+    chunks = -(-size // opts["chunk_size"])
+    assert client.stats()["chunks_native"] == 2 * chunks
+    assert client.stats()["registered_regions"] == 0
+    client.close()
+    server.close()

@@ -30,6 +30,7 @@ cdef enum:
     FAB_CAP_SEND_ANY_MEMORY = 4    # send() accepts unregistered memory
     FAB_CAP_READ_ANY_MEMORY = 8    # read()'s destination need not be registered
     FAB_CAP_SEND_COPIES = 16       # FAB_DONE from send() means the data was copied out
+    FAB_CAP_NATIVE_LARGE = 32      # send_large/recv_large: the fabric's own rendezvous
 
 # Results of send() / read() / reg(); negative values are -errno and mean the
 # channel has failed (its error text says why).
@@ -76,6 +77,13 @@ cdef struct fab_channel_ops:
     # has none (FAB_CAP_NATIVE_WRITE unset). Completes like read().
     int (*write)(fab_channel* ch, void* src, fab_mr* src_mr, size_t length, uint64_t raddr,
                  uint8_t* rkey, uint32_t rkey_len, uint64_t ctx) noexcept nogil
+    # The fabric's own rendezvous for one chunk (FAB_CAP_NATIVE_LARGE, else
+    # NULL): the sender hands src over under a tag (completion FAB_EV_SEND with
+    # ctx once src is no longer needed); the receiver names the destination
+    # for that tag when it is ready (completion FAB_EV_READ with ctx). Tags are
+    # unique per channel while in flight; lengths must match.
+    int (*send_large)(fab_channel* ch, void* src, size_t length, uint64_t tag, uint64_t ctx) noexcept nogil
+    int (*recv_large)(fab_channel* ch, void* dst, size_t length, uint64_t tag, uint64_t ctx) noexcept nogil
     # Stop a pending read from touching dst. Returns 0 if no byte will land in
     # dst any more (no completion will follow), 1 if the read must be waited
     # for (a completion will follow).

@@ -55,11 +55,14 @@ cdef extern from "ucx_shim.h" nogil:
                                                     const ucp_am_recv_param_t* param) noexcept nogil
     ctypedef void (*ucp_send_nbx_callback_t)(void* request, ucs_status_t status, void* user_data) noexcept nogil
     ctypedef void (*ucp_err_handler_cb_t)(void* arg, ucp_ep_h ep, ucs_status_t status) noexcept nogil
+    ctypedef void (*ucp_am_recv_data_nbx_callback_t)(void* request, ucs_status_t status, size_t length,
+                                                     void* user_data) noexcept nogil
     enum:
         UCS_OK
         UCS_INPROGRESS
         UCS_ERR_BUSY
         UCP_AM_RECV_ATTR_FLAG_DATA
+        UCP_AM_RECV_ATTR_FLAG_RNDV
 
     unsigned fab_ucx_api_version()
     unsigned fab_ucx_runtime_version()
@@ -71,6 +74,11 @@ cdef extern from "ucx_shim.h" nogil:
     ucs_status_ptr_t fab_ucx_am_send(ucp_ep_h ep, const void* header, size_t header_length,
                                      const ucp_dt_iov_t* iov, size_t iovcnt,
                                      ucp_send_nbx_callback_t cb, void* user_data)
+    ucs_status_ptr_t fab_ucx_am_send_large(ucp_ep_h ep, const void* header, size_t header_length,
+                                           void* buffer, size_t length, ucp_send_nbx_callback_t cb,
+                                           void* user_data)
+    ucs_status_ptr_t fab_ucx_am_recv_data(ucp_worker_h worker, void* desc, void* buffer, size_t length,
+                                          ucp_am_recv_data_nbx_callback_t cb, void* user_data)
     ucs_status_ptr_t fab_ucx_get(ucp_ep_h ep, void* dst, size_t length, uint64_t raddr,
                                  ucp_rkey_h rkey, ucp_send_nbx_callback_t cb, void* user_data)
     ucs_status_ptr_t fab_ucx_put(ucp_ep_h ep, const void* src, size_t length, uint64_t raddr,
@@ -107,6 +115,8 @@ cdef enum:
     R_SEND = 1
     R_GET = 2
     R_PUT = 3
+    R_LARGE_SEND = 4
+    R_LARGE_RECV = 5
     LIVENESS_EVERY = 256         # polls between checks of the bootstrap socket
     EIO_ = 5
     ECONNREFUSED_ = 111
@@ -128,6 +138,18 @@ cdef struct ucx_mrnode:
     ucx_mrnode* prev
     ucx_mrnode* next
     ucp_mem_h memh
+
+cdef struct ucx_large:
+    # a native large chunk: arrived (desc set) and/or awaited (dst set)
+    ucx_large* next
+    uint64_t tag
+    void* desc                 # UCX's rendezvous descriptor, or its persistent data
+    int is_data                # desc is data (UCX chose eager), not a rendezvous descriptor
+    size_t length
+    char* dst
+    size_t dst_length
+    uint64_t ctx
+    int waiting
 
 cdef struct ucx_deferred:
     ucx_deferred* next
@@ -176,6 +198,7 @@ cdef struct ucx_chan:
     int inflight               # UCX requests that still reference this channel
     int closed                 # closed by the engine; freed when inflight drops to 0
     ucx_mrnode* mrs
+    ucx_large* large           # native chunks arrived or awaited
 
 cdef struct ucx_req:
     ucx_chan* ch
@@ -196,6 +219,8 @@ UCX_OPS.reg = ucx_reg
 UCX_OPS.dereg = ucx_dereg
 UCX_OPS.read = ucx_read
 UCX_OPS.write = NULL
+UCX_OPS.send_large = ucx_send_large
+UCX_OPS.recv_large = ucx_recv_large
 UCX_OPS.cancel_read = ucx_cancel_read
 UCX_OPS.poll = ucx_poll
 UCX_OPS.arm = ucx_arm
@@ -329,7 +354,7 @@ cdef void on_request_done(void* request, ucs_status_t status, void* user_data) n
         ucp_rkey_destroy(r.rkey)
     ch.inflight -= 1
     if not ch.closed:
-        if r.kind == R_SEND:
+        if r.kind == R_SEND or r.kind == R_LARGE_SEND:
             if status != UCS_OK:
                 fab_fail(&ch.base, ECONNRESET, ucs_status_string(status))
             push_event(ch, FAB_EV_SEND, 0, r.ctx, NULL, 0, 0)
@@ -353,11 +378,13 @@ cdef ucs_status_t on_am(void* arg, const void* header, size_t header_length, voi
     cdef ucx_domain* d = <ucx_domain*>arg
     cdef ucx_chan* ch
     cdef char* copy
-    if header_length != 8:
+    if header_length != 8 and header_length != 16:
         return UCS_OK
     ch = domain_find(d, get64(<const char*>header))
     if ch == NULL or ch.closed or ch.base.failed:
         return UCS_OK           # a message for a channel that is gone
+    if header_length == 16:
+        return large_arrived(ch, get64(<const char*>header + 8), data, length, param.recv_attr)
     if length > ch.base.max_recv:
         fab_fail(&ch.base, EPROTO, "peer sent a fabric message larger than this endpoint accepts")
         return UCS_OK
@@ -487,6 +514,152 @@ cdef int boot_progress(ucx_chan* ch) noexcept nogil:
             return rc
     ch.deferred_tail = NULL
     return 0
+
+
+# ------------------------------------------------------ native large chunks
+
+cdef ucx_large* large_find(ucx_chan* ch, uint64_t tag) noexcept nogil:
+    cdef ucx_large* e = ch.large
+    while e != NULL and e.tag != tag:
+        e = e.next
+    return e
+
+cdef void large_unlink(ucx_chan* ch, ucx_large* e) noexcept nogil:
+    cdef ucx_large** p = &ch.large
+    while p[0] != NULL and p[0] != e:
+        p = &p[0].next
+    if p[0] != NULL:
+        p[0] = e.next
+
+cdef void on_large_received(void* request, ucs_status_t status, size_t length, void* user_data) noexcept nogil:
+    cdef ucx_req* r = <ucx_req*>user_data
+    cdef ucx_chan* ch = r.ch
+    ch.inflight -= 1
+    if not ch.closed:
+        push_event(ch, FAB_EV_READ, 0 if status == UCS_OK else -13, r.ctx, NULL, 0, 0)
+    if request != NULL:
+        ucp_request_free(request)
+    free(r)
+    maybe_free_channel(ch)
+
+cdef int large_start(ucx_chan* ch, ucx_large* e, int in_callback) noexcept nogil:
+    """Both sides are known: fetch the chunk into its destination. Inside the
+    active-message callback a descriptor is consumed without being released
+    (the callback then returns UCS_OK); outside, data UCX kept is released."""
+    cdef ucx_req* r
+    cdef ucs_status_ptr_t sp
+    large_unlink(ch, e)
+    if e.length != e.dst_length or e.is_data:
+        if e.length == e.dst_length:
+            memcpy(e.dst, e.desc, e.length)
+        push_event(ch, FAB_EV_READ, 0 if e.length == e.dst_length else -13, e.ctx, NULL, 0, 0)
+        if e.is_data == 2:
+            free(e.desc)
+        elif not in_callback:
+            ucp_am_data_release(ch.dom.worker, e.desc)   # persistent data, or a refused descriptor
+        free(e)
+        return 0
+    r = <ucx_req*>malloc(sizeof(ucx_req))
+    if r == NULL:
+        free(e)
+        return fab_fail(&ch.base, ENOMEM, "receive")
+    r.ch = ch
+    r.kind = R_LARGE_RECV
+    r.ctx = e.ctx
+    r.rkey = NULL
+    sp = fab_ucx_am_recv_data(ch.dom.worker, e.desc, e.dst, e.length, on_large_received, r)
+    free(e)
+    if sp == NULL:
+        push_event(ch, FAB_EV_READ, 0, r.ctx, NULL, 0, 0)
+        free(r)
+    elif fab_ucx_is_err(sp):
+        push_event(ch, FAB_EV_READ, -13, r.ctx, NULL, 0, 0)
+        free(r)
+    else:
+        ch.inflight += 1
+    return 0
+
+cdef ucs_status_t large_arrived(ucx_chan* ch, uint64_t tag, void* data, size_t length,
+                                uint64_t attr) noexcept nogil:
+    """A native chunk arrived (a rendezvous descriptor, or data if UCX sent
+    it eagerly). Fetch it now if its destination is known, else keep it."""
+    cdef ucx_large* e = large_find(ch, tag)
+    cdef int rndv = (attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0
+    if e == NULL:
+        e = <ucx_large*>calloc(1, sizeof(ucx_large))
+        if e == NULL:
+            fab_fail(&ch.base, ENOMEM, "receive")
+            return UCS_OK
+        e.tag = tag
+        e.next = ch.large
+        ch.large = e
+    elif e.desc != NULL:
+        fab_fail(&ch.base, EPROTO, "peer sent two native chunks with one tag")
+        return UCS_OK
+    e.desc = data
+    e.length = length
+    e.is_data = not rndv
+    if e.waiting:
+        large_start(ch, e, 1)
+        return UCS_OK
+    if not rndv and not (attr & UCP_AM_RECV_ATTR_FLAG_DATA):
+        e.desc = malloc(length if length else 1)      # UCX will not keep it: copy
+        if e.desc == NULL:
+            fab_fail(&ch.base, ENOMEM, "receive")
+            return UCS_OK
+        memcpy(e.desc, data, length)
+        e.is_data = 2
+        return UCS_OK
+    return UCS_INPROGRESS
+
+cdef int ucx_send_large(fab_channel* fch, void* src, size_t length, uint64_t tag, uint64_t ctx) noexcept nogil:
+    cdef ucx_chan* ch = <ucx_chan*>fch
+    cdef ucx_req* r
+    cdef ucs_status_ptr_t sp
+    cdef char header[16]
+    if fch.failed:
+        return -fch.failed
+    if ch.state != ST_READY:
+        return -EINVAL
+    r = <ucx_req*>malloc(sizeof(ucx_req))
+    if r == NULL:
+        return fab_fail(fch, ENOMEM, "send")
+    r.ch = ch
+    r.kind = R_LARGE_SEND
+    r.ctx = ctx
+    r.rkey = NULL
+    put64(header, ch.peer_key)
+    put64(header + 8, tag)
+    sp = fab_ucx_am_send_large(ch.ep, header, 16, src, length, on_request_done, r)
+    if sp == NULL:
+        free(r)
+        return FAB_DONE
+    if fab_ucx_is_err(sp):
+        free(r)
+        return fab_fail(fch, ECONNRESET, ucs_status_string(fab_ucx_status(sp)))
+    ch.inflight += 1
+    return FAB_PENDING
+
+cdef int ucx_recv_large(fab_channel* fch, void* dst, size_t length, uint64_t tag, uint64_t ctx) noexcept nogil:
+    cdef ucx_chan* ch = <ucx_chan*>fch
+    cdef ucx_large* e
+    if fch.failed:
+        return -fch.failed
+    e = large_find(ch, tag)
+    if e == NULL:
+        e = <ucx_large*>calloc(1, sizeof(ucx_large))
+        if e == NULL:
+            return fab_fail(fch, ENOMEM, "receive")
+        e.tag = tag
+        e.next = ch.large
+        ch.large = e
+    e.dst = <char*>dst
+    e.dst_length = length
+    e.ctx = ctx
+    e.waiting = 1
+    if e.desc != NULL:
+        large_start(ch, e, 0)
+    return FAB_PENDING
 
 
 # ------------------------------------------------------------- operations
@@ -695,6 +868,7 @@ cdef void ucx_close(fab_channel* fch) noexcept nogil:
     cdef double deadline
     cdef ucx_mrnode* node
     cdef ucx_deferred* dq
+    cdef ucx_large* lg
     cdef uint32_t i
     cdef ucx_domain* d = ch.dom
     if ch.closed:
@@ -725,6 +899,15 @@ cdef void ucx_close(fab_channel* fch) noexcept nogil:
         dq = ch.deferred
         ch.deferred = dq.next
         free(dq)
+    while ch.large != NULL:
+        lg = ch.large
+        ch.large = lg.next
+        if lg.desc != NULL:
+            if lg.is_data == 2:
+                free(lg.desc)
+            else:
+                ucp_am_data_release(d.worker, lg.desc)
+        free(lg)
     free(ch.bin)
     free(ch.bout)
     if ch.sock >= 0:
@@ -744,7 +927,8 @@ cdef fab_channel* new_channel(ucx_domain* d, int sock, size_t max_recv) noexcept
     if ch == NULL:
         return NULL
     ch.base.ops = &UCX_OPS
-    ch.base.caps = FAB_CAP_NATIVE_READ | FAB_CAP_SEND_ANY_MEMORY | FAB_CAP_READ_ANY_MEMORY
+    ch.base.caps = (FAB_CAP_NATIVE_READ | FAB_CAP_SEND_ANY_MEMORY | FAB_CAP_READ_ANY_MEMORY
+                    | FAB_CAP_NATIVE_LARGE)
     ch.base.max_recv = max_recv
     ch.base.send_depth = 64
     ch.dom = d
@@ -817,7 +1001,8 @@ cdef class UcxBackend(Backend):
 
     def __init__(self):
         self.name = "ucx"
-        self.caps = FAB_CAP_NATIVE_READ | FAB_CAP_SEND_ANY_MEMORY | FAB_CAP_READ_ANY_MEMORY
+        self.caps = (FAB_CAP_NATIVE_READ | FAB_CAP_SEND_ANY_MEMORY | FAB_CAP_READ_ANY_MEMORY
+                     | FAB_CAP_NATIVE_LARGE)
 
     def default_options(self):
         # Measured on shared memory (bench/RESULTS.md): UCX's eager active

@@ -103,6 +103,32 @@ static inline ucs_status_ptr_t fab_ucx_am_send(ucp_ep_h ep, const void *header, 
     return ucp_am_send_nbx(ep, FAB_UCX_AM_ID, header, header_length, iov, iovcnt, &p);
 }
 
+/* UCX's own rendezvous for one large chunk: the receiver fetches it with
+ * fab_ucx_am_recv_data once it names a destination. */
+static inline ucs_status_ptr_t fab_ucx_am_send_large(ucp_ep_h ep, const void *header, size_t header_length,
+                                                     void *buffer, size_t length,
+                                                     ucp_send_nbx_callback_t cb, void *user_data)
+{
+    ucp_request_param_t p;
+    memset(&p, 0, sizeof(p));
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    p.cb.send = cb;
+    p.user_data = user_data;
+    p.flags = UCP_AM_SEND_FLAG_RNDV | UCP_AM_SEND_FLAG_COPY_HEADER;
+    return ucp_am_send_nbx(ep, FAB_UCX_AM_ID, header, header_length, buffer, length, &p);
+}
+
+static inline ucs_status_ptr_t fab_ucx_am_recv_data(ucp_worker_h worker, void *desc, void *buffer, size_t length,
+                                                    ucp_am_recv_data_nbx_callback_t cb, void *user_data)
+{
+    ucp_request_param_t p;
+    memset(&p, 0, sizeof(p));
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.recv_am = cb;
+    p.user_data = user_data;
+    return ucp_am_recv_data_nbx(worker, desc, buffer, length, &p);
+}
+
 static inline ucs_status_ptr_t fab_ucx_get(ucp_ep_h ep, void *dst, size_t length, uint64_t raddr,
                                            ucp_rkey_h rkey, ucp_send_nbx_callback_t cb, void *user_data)
 {

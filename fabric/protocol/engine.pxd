@@ -18,6 +18,7 @@ cdef struct opts_t:
     double handshake_timeout
     double close_linger
     int progress_thread
+    uint64_t native_min         # messages this large use the fabric's own rendezvous (0: never)
 
 cdef struct slab_t:
     slab_t* next
@@ -49,6 +50,8 @@ cdef struct sendop_t:
     uint32_t acked
     int any_failed
     uint64_t head_seq           # data slab holding the first announcement
+    int native                  # chunks go by the fabric's own rendezvous
+    int native_pending          # native chunk sends the fabric has not completed
     int cur_seg                 # announcement cursor
     size_t cur_off
     size_t msg_off
@@ -61,6 +64,7 @@ cdef struct desc_t:
     inmsg_t* msg
     uint32_t index
     int reading
+    int native
     uint64_t offset
     uint64_t raddr
     uint32_t length
@@ -142,6 +146,7 @@ cdef struct ep_t:
     uint64_t sent_eager_zero_copy
     uint64_t sent_rndv
     uint64_t chunks_announced
+    uint64_t chunks_native
     uint64_t fabric_sends
     uint64_t frames_sent
     uint64_t fabric_recvs

@@ -55,7 +55,8 @@ cdef enum:
     TAG_SLAB = 1
     TAG_OP = 2
     TAG_DESC = 3
-    TAG_MASK = 3
+    TAG_NATIVE = 4       # a native chunk send of a rendezvous op
+    TAG_MASK = 7         # malloc returns 16-byte aligned blocks
 
 cdef enum:
     KIND_EP = 1
@@ -321,6 +322,8 @@ cdef int announce_chunk(ep_t* ep, sendop_t* op, int first) noexcept nogil:
     cdef uint8_t* room
     cdef int rc
     next_chunk(ep, op, &ptr, &length)
+    if op.native:
+        return announce_native(ep, op, first, ptr, length)
     rc = ep.ch.ops.reg(ep.ch, ptr, length, mr)
     if rc < 0:
         if ep.ch.failed:
@@ -351,6 +354,57 @@ cdef int announce_chunk(ep_t* ep, sendop_t* op, int first) noexcept nogil:
     op.msg_off += length
     return 0
 
+cdef inline uint64_t native_tag(uint64_t msg_id, uint32_t index) noexcept nogil:
+    return (msg_id << 24) | (index & 0xFFFFFF)
+
+cdef int announce_native(ep_t* ep, sendop_t* op, int first, char* ptr, size_t length) noexcept nogil:
+    """Announce a chunk that the fabric's own rendezvous carries: the frame
+    has no key; the data goes to send_large under the chunk's tag."""
+    cdef uint32_t slot = op.announced % ep.w.opts.chunks_in_flight
+    cdef size_t need = FRAME_HEADER + RNDV_FIXED
+    cdef uint8_t* room
+    cdef int rc
+    if first:
+        room = data_room(ep, need)
+        if room == NULL:
+            return 1
+        op.head_seq = ep.open_data.seq
+    else:
+        room = ctrl_room(ep, need)
+        if room == NULL:
+            return -1
+    put_rndv(room, op.msg_id, op.announced, op.total, op.msg_off, 0, <uint32_t>length, NULL, 0, RNDV_NATIVE)
+    rc = ep.ch.ops.send_large(ep.ch, ptr, length, native_tag(op.msg_id, op.announced),
+                              <uint64_t><size_t>op | TAG_NATIVE)
+    if rc < 0:
+        ep_channel_failed(ep)
+        return -1
+    if rc == FAB_PENDING:
+        op.native_pending += 1
+    op.window_index[slot] = op.announced
+    op.announced += 1
+    op.cur_off += length
+    op.msg_off += length
+    ep.chunks_announced += 1
+    ep.chunks_native += 1
+    ep.frames_sent += 1
+    if first:
+        ep.sent_rndv += 1
+    return 0
+
+cdef void rndv_try_finish(ep_t* ep, sendop_t* op) noexcept nogil:
+    """A rendezvous send is done when every chunk was acknowledged and the
+    fabric released every native chunk send."""
+    cdef sendop_t** p
+    if op.acked != op.nchunks or op.native_pending > 0:
+        return
+    p = &ep.rndv_out
+    while p[0] != NULL and p[0] != op:
+        p = &p[0].next
+    if p[0] != NULL:
+        p[0] = op.next
+        op_finish(ep, op, EACCES_ if op.any_failed else 0)
+
 cdef int announce_more(ep_t* ep, sendop_t* op) noexcept nogil:
     """Keep chunks_in_flight chunks announced once the first one is posted."""
     cdef int made = 0
@@ -375,6 +429,8 @@ cdef int start_rndv(ep_t* ep, sendop_t* op) noexcept nogil:
         nchunks += (op.segs[i].length + ep.w.opts.chunk_size - 1) // ep.w.opts.chunk_size
     if nchunks > 0xFFFFFFF0U:
         return 2
+    op.native = (ep.ch.caps & FAB_CAP_NATIVE_LARGE and ep.w.opts.native_min
+                 and op.total >= ep.w.opts.native_min and nchunks < (1 << 24))
     if op.window == NULL:
         op.window = <fab_mr*>calloc(w, sizeof(fab_mr))
         op.window_index = <uint32_t*>malloc(w * sizeof(uint32_t))
@@ -596,8 +652,12 @@ cdef int issue_reads(ep_t* ep, inmsg_t* m) noexcept nogil:
         dst_mr = &m.dst_mr
     while d != NULL and <uint32_t>m.reads < ep.w.opts.chunks_in_flight:
         if not d.reading:
-            rc = ep.ch.ops.read(ep.ch, m.data + d.offset, dst_mr, d.length, d.raddr,
-                                d.rkey, d.rkey_len, <uint64_t><size_t>d | TAG_DESC)
+            if d.native:
+                rc = ep.ch.ops.recv_large(ep.ch, m.data + d.offset, d.length,
+                                          native_tag(m.msg_id, d.index), <uint64_t><size_t>d | TAG_DESC)
+            else:
+                rc = ep.ch.ops.read(ep.ch, m.data + d.offset, dst_mr, d.length, d.raddr,
+                                    d.rkey, d.rkey_len, <uint64_t><size_t>d | TAG_DESC)
             if rc < 0:
                 if rc == -EINVAL and not ep.ch.failed:
                     # the peer offered a key this fabric cannot use
@@ -837,6 +897,11 @@ cdef int on_rndv(ep_t* ep, frame_t* f) noexcept nogil:
     d.offset = f.offset
     d.raddr = f.raddr
     d.length = f.length
+    d.native = f.flags & RNDV_NATIVE
+    if d.native and ep.ch.ops.recv_large == NULL:
+        free(d)
+        ep_fail(ep, EPROTO, "peer announced a native chunk this fabric cannot receive")
+        return -1
     d.rkey_len = f.rkey_len
     d.rkey = <uint8_t*>(<char*>d + sizeof(desc_t))
     memcpy(d.rkey, f.rkey, f.rkey_len)
@@ -864,14 +929,14 @@ cdef int on_chunk_done(ep_t* ep, frame_t* f) noexcept nogil:
     if f.aux >= op.announced or op.window_index[slot] != f.aux:
         ep_fail(ep, EPROTO, "peer acknowledged a chunk that is not in flight")
         return -1
-    ep.ch.ops.dereg(ep.ch, &op.window[slot])
+    if not op.native:
+        ep.ch.ops.dereg(ep.ch, &op.window[slot])
     op.window_index[slot] = NO_CHUNK
     op.acked += 1
     if f.flags & DONE_FAILED:
         op.any_failed = 1
     if op.acked == op.nchunks:
-        p[0] = op.next
-        op_finish(ep, op, EACCES_ if op.any_failed else 0)
+        rndv_try_finish(ep, op)
         return 0
     if announce_more(ep, op) < 0:
         return -1
@@ -1067,6 +1132,9 @@ cdef void progress_ep(ep_t* ep) noexcept nogil:
                             sp[0] = (<slab_t*>obj).next
                             slab_put(ep, <slab_t*>obj)
                         ep.pending_sends -= 1
+                    elif tag == TAG_NATIVE:
+                        (<sendop_t*>obj).native_pending -= 1
+                        rndv_try_finish(ep, <sendop_t*>obj)
                     elif tag == TAG_OP:
                         op_p = &ep.zc_out
                         while op_p[0] != NULL and op_p[0] != <sendop_t*>obj:
@@ -1558,6 +1626,7 @@ cdef class Worker:
         o.handshake_timeout = float(options["handshake_timeout"])
         o.close_linger = float(options["close_linger"])
         o.progress_thread = int(options.get("progress_thread", 1))
+        o.native_min = int(options.get("native_min", 0))
         self.domain = backend.open_domain(self.options)
         self.pid = getpid()
         self.w.wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
@@ -2032,6 +2101,7 @@ cdef class Endpoint:
                 "send_buffers": e.slabs_total, "credits_to_return": e.c2r,
                 "sent_eager": e.sent_eager, "sent_eager_zero_copy": e.sent_eager_zero_copy,
                 "sent_rendezvous": e.sent_rndv, "chunks_announced": e.chunks_announced,
+                "chunks_native": e.chunks_native,
                 "fabric_sends": e.fabric_sends, "frames_sent": e.frames_sent,
                 "fabric_recvs": e.fabric_recvs, "frames_received": e.frames_received,
                 "registered_regions": e.ch.live_regions if e.ch != NULL else 0}

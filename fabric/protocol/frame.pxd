@@ -22,6 +22,8 @@
 #               u64 total, u64 offset, u64 raddr, u32 length, u16 rkey_len,
 #               u16 0, then rkey_len bytes of remote key. Chunks of a message
 #               are announced in order and tile [0, total) without gaps.
+#               Flag RNDV_NATIVE: no key (length 0, address 0); the chunk comes
+#               by the fabric's own rendezvous under tag (msg_id << 24 | index).
 #   CHUNK_DONE  no body; the receiver has pulled chunk `aux` of `msg_id` (or,
 #               with flag DONE_FAILED, gives up on the message).
 #   CREDIT      no body; carries only `credits`.
@@ -47,6 +49,7 @@ cdef enum:
 
 cdef enum:
     DONE_FAILED = 1
+    RNDV_NATIVE = 1      # RNDV flag: the chunk travels by the fabric's own rendezvous (no key)
 
 cdef struct frame_t:
     int type
@@ -113,9 +116,9 @@ cdef inline void set_credits(uint8_t* header, uint16_t credits) noexcept nogil:
 
 cdef inline size_t put_rndv(uint8_t* p, uint64_t msg_id, uint32_t index, uint64_t total,
                             uint64_t offset, uint64_t raddr, uint32_t length,
-                            const uint8_t* rkey, uint32_t rkey_len) noexcept nogil:
+                            const uint8_t* rkey, uint32_t rkey_len, int flags=0) noexcept nogil:
     """Writes a whole RNDV frame; returns its size."""
-    put_header(p, F_RNDV, 0, RNDV_FIXED + rkey_len, msg_id, index, 0)
+    put_header(p, F_RNDV, flags, RNDV_FIXED + rkey_len, msg_id, index, 0)
     p += FRAME_HEADER
     wr64(p, total)
     wr64(p + 8, offset)
@@ -171,7 +174,7 @@ cdef inline int parse_frame(const uint8_t* p, size_t avail, frame_t* f,
             error[0] = "malformed EAGER frame"
             return -1
     elif f.type == F_RNDV:
-        if f.flags != 0 or f.msg_id == 0 or f.body_length < RNDV_FIXED:
+        if (f.flags & ~RNDV_NATIVE) != 0 or f.msg_id == 0 or f.body_length < RNDV_FIXED:
             error[0] = "malformed RNDV frame"
             return -1
         f.total = rd64(b)
@@ -183,7 +186,8 @@ cdef inline int parse_frame(const uint8_t* p, size_t avail, frame_t* f,
         if (rd16(b + 30) != 0 or f.rkey_len > MAX_RKEY
                 or f.body_length != RNDV_FIXED + f.rkey_len
                 or f.length == 0 or f.total == 0
-                or f.offset > f.total or f.length > f.total - f.offset):
+                or f.offset > f.total or f.length > f.total - f.offset
+                or ((f.flags & RNDV_NATIVE) and (f.rkey_len != 0 or f.raddr != 0))):
             error[0] = "malformed RNDV frame"
             return -1
     elif f.type == F_CHUNK_DONE:
