@@ -26,8 +26,7 @@ def main(argv=None):
     # UCX's own rendezvous gets each message whole (it pipelines internally);
     # the engine uses its default chunking.
     for name, knobs in (("engine", {"eager_limit": 8192, "native_min": 0}),
-                        ("ucx-own", {"eager_limit": 8192, "native_min": 1, "chunk_size": 1 << 30,
-                                     "chunks_in_flight": 1})):
+                        ("ucx-own", {"eager_limit": 8192, "native_min": 1})):
         fab = fabric.Fabric("ucx", **knobs)
         proc, address = perf.spawn_peer("ucx", knobs)
         runs[name] = (fab, proc, fab.connect(address, timeout=30))

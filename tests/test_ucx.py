@@ -84,8 +84,8 @@ def test_native_rendezvous_path(tls, size):
     assert server.recv(timeout=10) == msgs[2]
     for r in reqs:
         r.wait(timeout=10)
-    chunks = -(-size // opts["chunk_size"])
-    assert client.stats()["chunks_native"] == 2 * chunks
+    assert client.protocol_for(size) == ("native", 1)
+    assert client.stats()["chunks_native"] == 2
     assert client.stats()["registered_regions"] == 0
     client.close()
     server.close()

@@ -52,6 +52,8 @@ cdef struct sendop_t:
     uint64_t head_seq           # data slab holding the first announcement
     int native                  # chunks go by the fabric's own rendezvous
     int native_pending          # native chunk sends the fabric has not completed
+    char* native_first          # first native chunk, handed over once its announcement is posted
+    size_t native_first_len
     int cur_seg                 # announcement cursor
     size_t cur_off
     size_t msg_off
@@ -94,6 +96,7 @@ cdef struct inmsg_t:
 
 cdef struct posted_t:
     int active                  # a receive is waiting
+    int withdrawing             # being withdrawn: takes no delivery any more
     int done                    # result ready: length or err
     char* dst                   # user buffer (recv_into) or NULL (recv)
     size_t cap

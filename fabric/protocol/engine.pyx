@@ -79,6 +79,7 @@ cdef enum:
     BG_POLLING = 3       # blocked in epoll, progressing for an application that is away
 
 cdef uint32_t NO_CHUNK = 0xFFFFFFFFU
+cdef size_t NATIVE_CHUNK = 1 << 30
 cdef uint64_t WAKE_KEY = 0xFFFFFFFFFFFFFFFFU
 cdef double BG_GRACE = 0.001    # application idle this long before the thread polls
 
@@ -300,15 +301,20 @@ cdef int post_zero_copy(ep_t* ep, sendop_t* op) noexcept nogil:
 cdef inline int can_post_data(ep_t* ep) noexcept nogil:
     return ep.pending_sends < ep.ch.send_depth and ep.peer_credits > CREDIT_RESERVE
 
+cdef inline size_t chunk_limit(ep_t* ep, sendop_t* op) noexcept nogil:
+    """Chunk size of an op: chunk_size for the engine's pulls; native chunks
+    go as large as a frame can describe, the fabric pipelines them itself."""
+    return NATIVE_CHUNK if op.native else ep.w.opts.chunk_size
+
 cdef void next_chunk(ep_t* ep, sendop_t* op, char** ptr, size_t* length) noexcept nogil:
-    """The next chunk to announce: at most chunk_size, never across segments."""
+    """The next chunk to announce: at most chunk_limit, never across segments."""
     cdef size_t n
     while op.segs[op.cur_seg].length == op.cur_off:
         op.cur_seg += 1
         op.cur_off = 0
     n = op.segs[op.cur_seg].length - op.cur_off
-    if n > ep.w.opts.chunk_size:
-        n = ep.w.opts.chunk_size
+    if n > chunk_limit(ep, op):
+        n = chunk_limit(ep, op)
     ptr[0] = op.segs[op.cur_seg].ptr + op.cur_off
     length[0] = n
 
@@ -374,13 +380,15 @@ cdef int announce_native(ep_t* ep, sendop_t* op, int first, char* ptr, size_t le
         if room == NULL:
             return -1
     put_rndv(room, op.msg_id, op.announced, op.total, op.msg_off, 0, <uint32_t>length, NULL, 0, RNDV_NATIVE)
-    rc = ep.ch.ops.send_large(ep.ch, ptr, length, native_tag(op.msg_id, op.announced),
-                              <uint64_t><size_t>op | TAG_NATIVE)
-    if rc < 0:
-        ep_channel_failed(ep)
-        return -1
-    if rc == FAB_PENDING:
+    if first:
+        # The chunk follows its announcement: handed over once the slab with
+        # the RNDV frame is posted (native_send_first), so the fabric's own
+        # rendezvous never overtakes the message it belongs to.
+        op.native_first = ptr
+        op.native_first_len = length
         op.native_pending += 1
+    elif native_send(ep, op, ptr, length, op.announced) < 0:
+        return -1
     op.window_index[slot] = op.announced
     op.announced += 1
     op.cur_off += length
@@ -391,6 +399,25 @@ cdef int announce_native(ep_t* ep, sendop_t* op, int first, char* ptr, size_t le
     if first:
         ep.sent_rndv += 1
     return 0
+
+cdef int native_send(ep_t* ep, sendop_t* op, char* ptr, size_t length, uint32_t index) noexcept nogil:
+    cdef int rc = ep.ch.ops.send_large(ep.ch, ptr, length, native_tag(op.msg_id, index),
+                                       <uint64_t><size_t>op | TAG_NATIVE)
+    if rc < 0:
+        ep_channel_failed(ep)
+        return -1
+    if rc == FAB_PENDING:
+        op.native_pending += 1
+    return 0
+
+cdef int native_send_first(ep_t* ep, sendop_t* op) noexcept nogil:
+    """Hand the first native chunk over once its announcement has left."""
+    cdef char* ptr = op.native_first
+    if ptr == NULL or op.head_seq > ep.seq_posted:
+        return 0
+    op.native_first = NULL
+    op.native_pending -= 1
+    return native_send(ep, op, ptr, op.native_first_len, 0)
 
 cdef void rndv_try_finish(ep_t* ep, sendop_t* op) noexcept nogil:
     """A rendezvous send is done when every chunk was acknowledged and the
@@ -424,13 +451,15 @@ cdef int start_rndv(ep_t* ep, sendop_t* op) noexcept nogil:
     cdef uint32_t w = ep.w.opts.chunks_in_flight
     cdef uint32_t i
     cdef uint64_t nchunks = 0
+    cdef size_t limit
     cdef int rc
+    op.native = (ep.ch.caps & FAB_CAP_NATIVE_LARGE and ep.w.opts.native_min
+                 and op.total >= ep.w.opts.native_min)
+    limit = chunk_limit(ep, op)
     for i in range(<uint32_t>op.nseg):
-        nchunks += (op.segs[i].length + ep.w.opts.chunk_size - 1) // ep.w.opts.chunk_size
+        nchunks += (op.segs[i].length + limit - 1) // limit
     if nchunks > 0xFFFFFFF0U:
         return 2
-    op.native = (ep.ch.caps & FAB_CAP_NATIVE_LARGE and ep.w.opts.native_min
-                 and op.total >= ep.w.opts.native_min and nchunks < (1 << 24))
     if op.window == NULL:
         op.window = <fab_mr*>calloc(w, sizeof(fab_mr))
         op.window_index = <uint32_t*>malloc(w * sizeof(uint32_t))
@@ -531,6 +560,8 @@ cdef int ep_flush(ep_t* ep) noexcept nogil:
         # rendezvous whose first announcement went out may announce more
         op = ep.rndv_out
         while op != NULL:
+            if op.native_first != NULL and native_send_first(ep, op) < 0:
+                return -1
             if op.announced < op.nchunks:
                 rc = announce_more(ep, op)
                 if rc < 0:
@@ -723,7 +754,7 @@ cdef void match_posted(ep_t* ep) noexcept nogil:
     cdef posted_t* p = &ep.posted
     cdef inmsg_t* m = ep.inq_head
     cdef int rc
-    if not p.active or p.done:
+    if not p.active or p.done or p.withdrawing:
         return
     if p.msg == NULL:
         if m == NULL:
@@ -818,7 +849,7 @@ cdef int on_eager(ep_t* ep, frame_t* f) noexcept nogil:
         ep_fail(ep, EPROTO, "peer sent a message out of sequence")
         return -1
     ep.next_in_id += 1
-    if (p.active and not p.done and p.msg == NULL and p.dst != NULL
+    if (p.active and not p.done and not p.withdrawing and p.msg == NULL and p.dst != NULL
             and ep.inq_head == NULL and f.body_length <= p.cap):
         memcpy(p.dst, f.body, f.body_length)     # straight into recv_into's buffer
         p.length = f.body_length
@@ -2108,10 +2139,14 @@ cdef class Endpoint:
 
     def protocol_for(self, size_t size):
         """The protocol a message of `size` bytes takes on this endpoint, and
-        its chunk count: ('eager', 0) or ('rendezvous', chunks)."""
+        its chunk count: ('eager', 0), ('rendezvous', chunks) for the engine's
+        pulls, or ('native', chunks) for the fabric's own rendezvous."""
         self._check_open()
         if size <= self.ep.eager_limit:
             return ("eager", 0)
+        if (self.ep.ch.caps & FAB_CAP_NATIVE_LARGE and self.w.opts.native_min
+                and size >= self.w.opts.native_min):
+            return ("native", (size + NATIVE_CHUNK - 1) // NATIVE_CHUNK)
         return ("rendezvous", (size + self.w.opts.chunk_size - 1) // self.w.opts.chunk_size)
 
     def send(self, obj):
@@ -2197,7 +2232,10 @@ cdef class Endpoint:
         cdef inmsg_t* m = p.msg
         cdef desc_t* d
         cdef char* nb
-        if m != NULL and p.dst != NULL and m.data == p.dst and m.received < m.total:
+        # From here on the message is never delivered into this receive (its
+        # caller has given up on it): it moves to our memory and stays first.
+        p.withdrawing = 1
+        if m != NULL and p.dst != NULL and m.data == p.dst:
             d = m.descs
             while d != NULL:
                 if d.reading and self.ep.ch != NULL:
@@ -2220,7 +2258,8 @@ cdef class Endpoint:
                     m.own_data = 1
                     m.charge += m.total
                     self.ep.inbuf_bytes += m.total
-                    issue_reads(self.ep, m)
+                    if m.received < m.total:
+                        issue_reads(self.ep, m)
         if p.result != NULL:
             free(p.result)
         memset(p, 0, sizeof(posted_t))
