@@ -1008,11 +1008,12 @@ cdef class UcxBackend(Backend):
         # Measured on shared memory (bench/RESULTS.md): UCX's eager active
         # messages stream at ~1.1 GB/s whatever the size, while ucp_get pulls
         # reach 4 GB/s at 16 KiB and 8 GB/s at 64 KiB; eager wins latency only.
-        # From 128 KiB up UCX's own rendezvous (whole message) streamed as
-        # fast or faster than the engine's ucp_get pulls; below, the pulls
-        # were even or ahead (bench/ucx_protocols.py, RESULTS.md).
+        # From 2 MiB up UCX's own rendezvous (whole message) beat the
+        # engine's ucp_get pulls in round trip in every run, and matched or
+        # beat them in bandwidth; from 128 KiB to 1 MiB the two traded places
+        # run to run (bench/ucx_protocols.py, RESULTS.md).
         return {"eager_limit": 8192, "chunk_size": 1 << 20, "chunks_in_flight": 8,
-                "coalesce_limit": 16384 + 1024, "credits": 64, "native_min": 131072}
+                "coalesce_limit": 16384 + 1024, "credits": 64, "native_min": 1 << 20}
 
     @staticmethod
     def available():
