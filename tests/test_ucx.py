@@ -1,6 +1,8 @@
 """UCX-specific behaviour (the shared endpoint suite runs on ucx as well)."""
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -89,3 +91,31 @@ def test_native_rendezvous_path(tls, size):
     assert client.stats()["registered_regions"] == 0
     client.close()
     server.close()
+
+
+def system_ucx_libs():
+    out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    libs = {}
+    for line in out.splitlines():
+        for name in ("libucs.so.0", "libuct.so.0", "libucp.so.0"):
+            if line.strip().startswith(name + " ") and "=>" in line:
+                libs[name] = line.split("=>")[1].strip()
+    return [libs[n] for n in ("libucs.so.0", "libuct.so.0", "libucp.so.0")] if len(libs) == 3 else None
+
+
+def test_a_different_libucp_is_refused_not_used():
+    """The wheel's UCX and Debian's share the soname libucp.so.0: when the other
+    one gets loaded first, the backend must refuse, naming both versions."""
+    from fabric.backends import ucx
+    libs = system_ucx_libs()
+    if libs is None:
+        pytest.skip("no system UCX (Debian libucx0) to clash with; tools/setup.sh installs it as root")
+    built, _ = ucx.runtime_version()
+    code = ("import fabric, sys; ok, why = fabric.available_backends()['ucx']; print(why); "
+            "sys.exit(0 if not ok else 3)")
+    env = dict(os.environ, LD_PRELOAD=":".join(libs), PYTHONPATH=os.path.dirname(os.path.dirname(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    if r.returncode == 3:
+        pytest.skip(f"the system UCX has the same version as the build ({r.stdout.strip()})")
+    assert r.returncode == 0, r.stderr
+    assert f"built against UCX {built[0]}.{built[1]}" in r.stdout and "but loaded UCX" in r.stdout

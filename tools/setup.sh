@@ -10,6 +10,10 @@ export DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1
 need=()
 command -v gcc >/dev/null || need+=(build-essential)
 command -v ip >/dev/null || need+=(iproute2)
+command -v pkg-config >/dev/null || need+=(pkg-config)
+# Debian's UCX (1.13): a second UCX for the soname-clash test and for
+# FABRIC_UCX=system builds.
+dpkg -s libucx-dev >/dev/null 2>&1 || need+=(libucx-dev)
 PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3 || true)}"
 if [ -z "$PYTHON" ]; then need+=(python3 python3-venv python3-dev); fi
 if [ -n "$PYTHON" ] && ! "$PYTHON" -c "import venv, ensurepip" 2>/dev/null; then need+=(python3-venv); fi

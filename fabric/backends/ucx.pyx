@@ -205,6 +205,7 @@ cdef struct ucx_req:
     int kind
     uint64_t ctx
     ucp_rkey_h rkey
+    char header[16]            # lives until completion (UCX < 1.14 reads it late)
     int iovcnt
     ucp_dt_iov_t iov[1]
 
@@ -616,7 +617,6 @@ cdef int ucx_send_large(fab_channel* fch, void* src, size_t length, uint64_t tag
     cdef ucx_chan* ch = <ucx_chan*>fch
     cdef ucx_req* r
     cdef ucs_status_ptr_t sp
-    cdef char header[16]
     if fch.failed:
         return -fch.failed
     if ch.state != ST_READY:
@@ -628,9 +628,9 @@ cdef int ucx_send_large(fab_channel* fch, void* src, size_t length, uint64_t tag
     r.kind = R_LARGE_SEND
     r.ctx = ctx
     r.rkey = NULL
-    put64(header, ch.peer_key)
-    put64(header + 8, tag)
-    sp = fab_ucx_am_send_large(ch.ep, header, 16, src, length, on_request_done, r)
+    put64(r.header, ch.peer_key)
+    put64(r.header + 8, tag)
+    sp = fab_ucx_am_send_large(ch.ep, r.header, 16, src, length, on_request_done, r)
     if sp == NULL:
         free(r)
         return FAB_DONE

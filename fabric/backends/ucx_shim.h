@@ -9,6 +9,14 @@
 
 #define FAB_UCX_AM_ID 0x3A
 
+/* UCX >= 1.14 can copy the header at once; older ones read it until the send
+ * completes, so callers keep every header alive until then either way. */
+#ifdef UCP_AM_SEND_FLAG_COPY_HEADER
+#define FAB_UCX_COPY_HEADER UCP_AM_SEND_FLAG_COPY_HEADER
+#else
+#define FAB_UCX_COPY_HEADER 0
+#endif
+
 static inline unsigned fab_ucx_api_version(void)
 {
     return UCP_API_VERSION;
@@ -99,7 +107,7 @@ static inline ucs_status_ptr_t fab_ucx_am_send(ucp_ep_h ep, const void *header, 
     p.datatype = ucp_dt_make_iov();
     /* fabric messages are bounded (the engine's coalesce limit): always eager,
      * so the receiver gets them whole in its handler */
-    p.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_COPY_HEADER;
+    p.flags = UCP_AM_SEND_FLAG_EAGER | FAB_UCX_COPY_HEADER;
     return ucp_am_send_nbx(ep, FAB_UCX_AM_ID, header, header_length, iov, iovcnt, &p);
 }
 
@@ -114,7 +122,7 @@ static inline ucs_status_ptr_t fab_ucx_am_send_large(ucp_ep_h ep, const void *he
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
     p.cb.send = cb;
     p.user_data = user_data;
-    p.flags = UCP_AM_SEND_FLAG_RNDV | UCP_AM_SEND_FLAG_COPY_HEADER;
+    p.flags = UCP_AM_SEND_FLAG_RNDV | FAB_UCX_COPY_HEADER;
     return ucp_am_send_nbx(ep, FAB_UCX_AM_ID, header, header_length, buffer, length, &p);
 }
 
