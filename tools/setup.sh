@@ -14,6 +14,13 @@ command -v pkg-config >/dev/null || need+=(pkg-config)
 # Debian's UCX (1.13): a second UCX for the soname-clash test and for
 # FABRIC_UCX=system builds.
 dpkg -s libucx-dev >/dev/null 2>&1 || need+=(libucx-dev)
+# Soft-RoCE: Debian's kernel (it has rdma_rxe) booted under QEMU by
+# tools/softroce.py, rdma-core and perftest; FABRIC_SOFTROCE=0 skips them.
+if [ "${FABRIC_SOFTROCE:-1}" != 0 ]; then
+    for p in qemu-system-x86 linux-image-amd64 busybox-static rdma-core ibverbs-utils perftest libibverbs-dev; do
+        dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
+    done
+fi
 PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3 || true)}"
 if [ -z "$PYTHON" ]; then need+=(python3 python3-venv python3-dev); fi
 if [ -n "$PYTHON" ] && ! "$PYTHON" -c "import venv, ensurepip" 2>/dev/null; then need+=(python3-venv); fi
