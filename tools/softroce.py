@@ -102,7 +102,7 @@ STAGE2 = r"""#!/bin/sh
 # Stage 2 (the host's filesystem, overlaid): rxe0, then the command.
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev 2>/dev/null
 mkdir -p /dev/pts /dev/shm; mount -t devpts devpts /dev/pts; mount -t tmpfs tmpfs /dev/shm
-mount -t tmpfs tmpfs /tmp
+# (no tmpfs on /tmp: the working directory may live there; the overlay is writable)
 J=/run/fabric-job
 finish() { echo "$1" > $J/exit; sync; echo o > /proc/sysrq-trigger; sleep 30; }
 for m in {rdma_modules}; do modprobe "$m" || { echo "softroce: modprobe $m failed" >> $J/output; finish 97; }; done
