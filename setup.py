@@ -68,6 +68,12 @@ extensions = [
     ext("fabric.protocol.engine"),
 ]
 
+if os.path.exists("/usr/include/infiniband/verbs.h") and os.environ.get("FABRIC_VERBS", "auto") != "off":
+    extensions.append(ext("fabric.backends.verbs", include_dirs=["fabric/backends"], libraries=["ibverbs"]))
+else:
+    print("fabric: no infiniband/verbs.h; the verbs backend is not built (apt install libibverbs-dev)",
+          file=sys.stderr)
+
 ucx = find_ucx()
 if ucx is None:
     print("fabric: no UCX headers found; the ucx backend is not built "

@@ -156,6 +156,7 @@ cdef struct ep_t:
     uint64_t frames_received
     uint8_t hello[56]
     fab_mr* hello_mr
+    int own_regions             # registrations of the endpoint's own buffers (slabs, HELLO)
     uint64_t seq_sealed
     uint64_t seq_posted
     sendop_t* sendq_head

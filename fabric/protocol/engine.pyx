@@ -143,6 +143,7 @@ cdef slab_t* slab_get(ep_t* ep, int control) noexcept nogil:
             if ep.ch.ops.reg(ep.ch, s.data, ep.slab_cap, s.mr) < 0:
                 free(s)
                 return NULL
+            ep.own_regions += 1
         ep.slabs_total += 1
     s.next = NULL
     s.used = 0
@@ -1248,6 +1249,7 @@ cdef void send_hello(ep_t* ep) noexcept nogil:
         if ep.hello_mr == NULL or ep.ch.ops.reg(ep.ch, ep.hello, sizeof(ep.hello), ep.hello_mr) < 0:
             ep_fail(ep, ENOMEM, "cannot register the handshake buffer")
             return
+        ep.own_regions += 1
     rc = ep.ch.ops.send(ep.ch, &v, &ep.hello_mr if ep.hello_mr != NULL else NULL, 1, 0)
     if rc == FAB_PENDING:
         ep.pending_sends += 1
@@ -2135,7 +2137,8 @@ cdef class Endpoint:
                 "chunks_native": e.chunks_native,
                 "fabric_sends": e.fabric_sends, "frames_sent": e.frames_sent,
                 "fabric_recvs": e.fabric_recvs, "frames_received": e.frames_received,
-                "registered_regions": e.ch.live_regions if e.ch != NULL else 0}
+                # registrations made for messages (the endpoint's own buffers excluded)
+                "registered_regions": e.ch.live_regions - e.own_regions if e.ch != NULL else 0}
 
     def protocol_for(self, size_t size):
         """The protocol a message of `size` bytes takes on this endpoint, and

@@ -1,0 +1,767 @@
+# cython: language_level=3
+"""The raw ibverbs fabric (RC queue pairs; Soft-RoCE is this on an rxe device).
+
+Per Fabric: the device context and a protection domain (the "domain"). Per
+connection: a completion channel, a CQ and an RC QP, connected through a TCP
+bootstrap that exchanges QPN, PSN, GID, LID, path MTU and read depth; the
+socket stays open as a liveness monitor. Receives land in a registered pool of
+`recv_depth` buffers posted before the bootstrap completes; sends are SENDs
+(inline up to max_inline_data); the engine's pulls are RDMA READs. The QP
+grants remote READ only: a peer can never write into our memory, and can read
+only regions registered for a chunk in flight (the engine deregisters each
+chunk at release).
+
+Bootstrap message (40 bytes, little-endian): "FIBV" | u32 version 1 | u32 QPN |
+u32 PSN | 16-byte GID | u16 LID | u8 MTU enum | u8 0 | u32 max read depth.
+
+Device, port and GID are chosen automatically (first device with an ACTIVE
+port; on Ethernet the first RoCE v2 GID holding an IPv4-mapped address, on
+InfiniBand the LID) or by FABRIC_VERBS_DEVICE, FABRIC_VERBS_PORT,
+FABRIC_VERBS_GID_INDEX; a failed choice names what was tried.
+"""
+import os
+
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
+from libc.stdlib cimport malloc, calloc, free
+from libc.string cimport memcpy, memset
+from posix.uio cimport iovec
+
+from fabric._posix cimport *
+from fabric.backends.interface cimport *
+from fabric.backends.sockets cimport (accept_socket, connect_socket, listen_socket,
+                                     local_and_peer_names, tune_socket)
+
+cdef extern from "<fcntl.h>" nogil:
+    int fcntl(int fd, int cmd, ...)
+    enum:
+        F_GETFL
+        F_SETFL
+        O_NONBLOCK
+
+cdef extern from "verbs_shim.h" nogil:
+    struct ibv_context:
+        pass
+    struct ibv_pd:
+        pass
+    struct ibv_cq:
+        pass
+    struct ibv_comp_channel:
+        int fd
+    struct ibv_qp:
+        uint32_t qp_num
+    struct ibv_mr:
+        void* addr
+        size_t length
+        uint32_t lkey
+        uint32_t rkey
+    struct ibv_sge:
+        uint64_t addr
+        uint32_t length
+        uint32_t lkey
+    struct ibv_wc:
+        uint64_t wr_id
+        int status
+        int opcode
+        uint32_t byte_len
+    enum:
+        IBV_WC_SUCCESS
+        IBV_WC_REM_ACCESS_ERR
+        IBV_WC_RECV
+        IBV_ACCESS_LOCAL_WRITE
+        IBV_ACCESS_REMOTE_READ
+    ibv_context* fab_ib_open(const char* name)
+    int fab_ib_port(ibv_context* ctx, int port, int gid_index, uint8_t* gid16, uint16_t* lid,
+                    int* active_mtu, int* is_eth, uint32_t* max_rd_atomic)
+    ibv_qp* fab_ib_create_qp(ibv_pd* pd, ibv_cq* cq, uint32_t max_send, uint32_t max_recv,
+                             uint32_t max_inline, uint32_t* inline_out)
+    int fab_ib_qp_init(ibv_qp* qp, int port)
+    int fab_ib_qp_rtr(ibv_qp* qp, int port, int mtu, uint32_t dest_qpn, uint32_t dest_psn,
+                      const uint8_t* dest_gid, uint16_t dest_lid, int gid_index, int is_eth,
+                      uint32_t max_dest_rd_atomic)
+    int fab_ib_qp_rts(ibv_qp* qp, uint32_t psn, uint32_t max_rd_atomic)
+    int fab_ib_qp_error(ibv_qp* qp)
+    int fab_ib_post_send(ibv_qp* qp, ibv_sge* sge, int n, uint64_t wr_id, int inline_)
+    int fab_ib_post_read(ibv_qp* qp, uint64_t laddr, uint32_t length, uint32_t lkey,
+                         uint64_t raddr, uint32_t rkey, uint64_t wr_id)
+    int fab_ib_post_recv(ibv_qp* qp, uint64_t addr, uint32_t length, uint32_t lkey, uint64_t wr_id)
+    ibv_pd* ibv_alloc_pd(ibv_context* ctx)
+    int ibv_dealloc_pd(ibv_pd* pd)
+    int ibv_close_device(ibv_context* ctx)
+    ibv_comp_channel* ibv_create_comp_channel(ibv_context* ctx)
+    int ibv_destroy_comp_channel(ibv_comp_channel* cc)
+    ibv_cq* ibv_create_cq(ibv_context* ctx, int cqe, void* cq_context, ibv_comp_channel* cc, int vector)
+    int ibv_destroy_cq(ibv_cq* cq)
+    int ibv_destroy_qp(ibv_qp* qp)
+    ibv_mr* ibv_reg_mr(ibv_pd* pd, void* addr, size_t length, int access)
+    int ibv_dereg_mr(ibv_mr* mr)
+    int ibv_poll_cq(ibv_cq* cq, int n, ibv_wc* wc)
+    int ibv_req_notify_cq(ibv_cq* cq, int solicited_only)
+    int ibv_get_cq_event(ibv_comp_channel* cc, ibv_cq** cq, void** ctx)
+    void ibv_ack_cq_events(ibv_cq* cq, unsigned int n)
+    const char* ibv_wc_status_str(int status)
+
+cdef enum:
+    BOOT_MAGIC = 0x56424946      # "FIBV"
+    BOOT_SIZE = 40
+    ST_BOOT = 1
+    ST_READY = 2
+    SEND_DEPTH = 64              # SEND work requests in flight
+    READ_DEPTH = 64              # RDMA READs in flight (the device caps them further)
+    STASH = 32
+    LIVENESS_EVERY = 256
+    EACCES_ = 13
+    EIO_ = 5
+
+cdef uint64_t WR_RECV = 1ULL << 63
+cdef uint64_t WR_READ = 1ULL << 62
+
+
+cdef struct vb_domain:
+    ibv_context* ctx
+    ibv_pd* pd
+    int port
+    int gid_index
+    int is_eth
+    int active_mtu
+    uint8_t gid[16]
+    uint16_t lid
+    uint32_t max_rd_atomic
+    int refs
+
+cdef struct vb_mrnode:
+    vb_mrnode* prev
+    vb_mrnode* next
+    ibv_mr* mr
+
+cdef struct vb_deferred:
+    vb_deferred* next
+    uint64_t ctx
+    int n
+    int inline_
+    ibv_sge sge[16]
+
+cdef struct vb_chan:
+    fab_channel base
+    vb_domain* dom
+    ibv_comp_channel* cc
+    ibv_cq* cq
+    ibv_qp* qp
+    uint32_t max_inline
+    uint32_t psn
+    int sock
+    int state
+    int peer_gone
+    uint32_t polls
+    unsigned int unacked
+    char bout[BOOT_SIZE]
+    size_t bout_done
+    char bin[BOOT_SIZE]
+    size_t bin_len
+    char* rbuf
+    ibv_mr* rmr
+    uint32_t depth
+    size_t slot
+    uint32_t* repost
+    uint32_t nrepost
+    vb_deferred* deferred
+    vb_deferred* deferred_tail
+    vb_mrnode* mrs
+    ibv_wc stash[STASH]
+    int nstash
+
+cdef struct vb_lst:
+    fab_listener base
+    vb_domain* dom
+    uint32_t depth
+
+
+cdef fab_channel_ops VB_OPS
+VB_OPS.send = vb_send
+VB_OPS.reg = vb_reg
+VB_OPS.dereg = vb_dereg
+VB_OPS.read = vb_read
+VB_OPS.write = NULL
+VB_OPS.send_large = NULL
+VB_OPS.recv_large = NULL
+VB_OPS.cancel_read = vb_cancel_read
+VB_OPS.poll = vb_poll
+VB_OPS.arm = vb_arm
+VB_OPS.close = vb_close
+
+
+cdef inline void put32(char* p, uint32_t v) noexcept nogil:
+    memcpy(p, &v, 4)
+
+cdef inline uint32_t get32(const char* p) noexcept nogil:
+    cdef uint32_t v
+    memcpy(&v, p, 4)
+    return v
+
+
+cdef void domain_unref(vb_domain* d) noexcept nogil:
+    d.refs -= 1
+    if d.refs == 0:
+        ibv_dealloc_pd(d.pd)
+        ibv_close_device(d.ctx)
+        free(d)
+
+
+cdef class VerbsDomain:
+    cdef vb_domain* d
+
+    def __dealloc__(self):
+        if self.d != NULL:
+            domain_unref(self.d)
+            self.d = NULL
+
+
+# ------------------------------------------------------------- bootstrap
+
+cdef int go_ready(vb_chan* ch) noexcept nogil:
+    cdef vb_domain* d = ch.dom
+    cdef uint32_t qpn = get32(ch.bin + 8), psn = get32(ch.bin + 12)
+    cdef uint16_t lid
+    cdef int mtu = <uint8_t>ch.bin[34]
+    cdef uint32_t peer_rd = get32(ch.bin + 36)
+    cdef uint32_t rd = d.max_rd_atomic
+    cdef vb_deferred* dq
+    cdef epoll_event ev
+    cdef int rc
+    memcpy(&lid, ch.bin + 32, 2)
+    if get32(ch.bin) != BOOT_MAGIC or get32(ch.bin + 4) != 1 or mtu < 1 or mtu > 5:
+        return fab_fail(&ch.base, EPROTO, "peer is not a fabric verbs endpoint (bad bootstrap)")
+    if mtu > d.active_mtu:
+        mtu = d.active_mtu          # path MTU: the smaller port MTU
+    if peer_rd < rd:
+        rd = peer_rd
+    if rd < 1:
+        rd = 1
+    rc = fab_ib_qp_rtr(ch.qp, d.port, mtu, qpn, psn, <uint8_t*>(ch.bin + 16), lid, d.gid_index,
+                       d.is_eth, d.max_rd_atomic)
+    if rc != 0:
+        return fab_fail(&ch.base, rc, "moving the queue pair to RTR failed (GID/port choice?)")
+    rc = fab_ib_qp_rts(ch.qp, ch.psn, rd)
+    if rc != 0:
+        return fab_fail(&ch.base, rc, "moving the queue pair to RTS failed")
+    ch.state = ST_READY
+    ev.events = EPOLLIN
+    ev.data.u64 = 1
+    epoll_ctl(ch.base.fd, EPOLL_CTL_MOD, ch.sock, &ev)
+    while ch.deferred != NULL:
+        dq = ch.deferred
+        ch.deferred = dq.next
+        rc = fab_ib_post_send(ch.qp, dq.sge, dq.n, dq.ctx, dq.inline_)
+        free(dq)
+        if rc != 0:
+            return fab_fail(&ch.base, rc, "ibv_post_send")
+    ch.deferred_tail = NULL
+    return 0
+
+cdef int boot_progress(vb_chan* ch) noexcept nogil:
+    cdef ssize_t r
+    while ch.bout_done < BOOT_SIZE:
+        r = send(ch.sock, ch.bout + ch.bout_done, BOOT_SIZE - ch.bout_done, MSG_DONTWAIT | MSG_NOSIGNAL)
+        if r < 0:
+            if errno == EAGAIN or errno == EINTR:
+                break
+            return fab_fail(&ch.base, errno, "bootstrap send")
+        ch.bout_done += <size_t>r
+    while ch.bin_len < BOOT_SIZE:
+        r = recv(ch.sock, ch.bin + ch.bin_len, BOOT_SIZE - ch.bin_len, MSG_DONTWAIT)
+        if r == 0:
+            return fab_fail(&ch.base, ECONNRESET, "peer closed the bootstrap connection")
+        if r < 0:
+            if errno == EAGAIN or errno == EINTR:
+                return 0
+            return fab_fail(&ch.base, errno, "bootstrap recv")
+        ch.bin_len += <size_t>r
+    if ch.bout_done < BOOT_SIZE:
+        return 0
+    return go_ready(ch)
+
+
+# ------------------------------------------------------------ operations
+
+cdef int vb_send(fab_channel* fch, iovec* iov, fab_mr** mrs, int iovcnt, uint64_t ctx) noexcept nogil:
+    cdef vb_chan* ch = <vb_chan*>fch
+    cdef ibv_sge sge[16]
+    cdef size_t total = 0
+    cdef int i, n = 0, inl, rc
+    cdef vb_deferred* dq
+    if fch.failed:
+        return -fch.failed
+    if iovcnt > 16:
+        return -EINVAL
+    for i in range(iovcnt):
+        if iov[i].iov_len == 0:
+            continue
+        sge[n].addr = <uint64_t><size_t>iov[i].iov_base
+        sge[n].length = <uint32_t>iov[i].iov_len
+        sge[n].lkey = (<vb_mrnode*>mrs[i].handle).mr.lkey if mrs != NULL and mrs[i] != NULL else 0
+        total += iov[i].iov_len
+        n += 1
+    inl = total <= ch.max_inline
+    if not inl and mrs == NULL:
+        return -EINVAL           # the engine registers what it sends here
+    if ch.state != ST_READY:
+        dq = <vb_deferred*>malloc(sizeof(vb_deferred))
+        if dq == NULL:
+            return fab_fail(fch, ENOMEM, "send")
+        dq.next = NULL
+        dq.ctx = ctx
+        dq.n = n
+        dq.inline_ = inl
+        memcpy(dq.sge, sge, n * sizeof(ibv_sge))
+        if ch.deferred_tail == NULL:
+            ch.deferred = dq
+        else:
+            ch.deferred_tail.next = dq
+        ch.deferred_tail = dq
+        return FAB_PENDING
+    rc = fab_ib_post_send(ch.qp, sge, n, ctx, inl)
+    if rc != 0:
+        return fab_fail(fch, rc, "ibv_post_send")
+    return FAB_PENDING           # completes when the peer acknowledged it
+
+cdef int vb_reg(fab_channel* fch, void* addr, size_t length, fab_mr* mr) noexcept nogil:
+    cdef vb_chan* ch = <vb_chan*>fch
+    cdef vb_mrnode* node = <vb_mrnode*>calloc(1, sizeof(vb_mrnode))
+    if node == NULL:
+        return -ENOMEM
+    node.mr = ibv_reg_mr(ch.dom.pd, addr, length, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ)
+    if node.mr == NULL:
+        free(node)
+        return -(errno if errno else ENOMEM)
+    mr.handle = node
+    mr.addr = <uint64_t><size_t>addr
+    mr.length = length
+    mr.rkey_len = 4
+    memcpy(mr.rkey, &node.mr.rkey, 4)
+    node.next = ch.mrs
+    if ch.mrs != NULL:
+        ch.mrs.prev = node
+    ch.mrs = node
+    fch.live_regions += 1
+    return FAB_DONE
+
+cdef void vb_dereg(fab_channel* fch, fab_mr* mr) noexcept nogil:
+    cdef vb_chan* ch = <vb_chan*>fch
+    cdef vb_mrnode* node = <vb_mrnode*>mr.handle
+    if node == NULL:
+        return
+    if node.prev != NULL:
+        node.prev.next = node.next
+    else:
+        ch.mrs = node.next
+    if node.next != NULL:
+        node.next.prev = node.prev
+    ibv_dereg_mr(node.mr)
+    free(node)
+    mr.handle = NULL
+    fch.live_regions -= 1
+
+cdef int vb_read(fab_channel* fch, void* dst, fab_mr* dst_mr, size_t length, uint64_t raddr,
+                 uint8_t* rkey, uint32_t rkey_len, uint64_t ctx) noexcept nogil:
+    cdef vb_chan* ch = <vb_chan*>fch
+    cdef uint32_t key
+    cdef int rc
+    if fch.failed:
+        return -fch.failed
+    if rkey_len != 4 or dst_mr == NULL or dst_mr.handle == NULL or length > 0xFFFFFFFFUL:
+        return -EINVAL
+    memcpy(&key, rkey, 4)
+    rc = fab_ib_post_read(ch.qp, <uint64_t><size_t>dst, <uint32_t>length,
+                          (<vb_mrnode*>dst_mr.handle).mr.lkey, raddr, key, ctx | WR_READ)
+    if rc != 0:
+        return fab_fail(fch, rc, "ibv_post_send (RDMA READ)")
+    return FAB_PENDING
+
+cdef int vb_cancel_read(fab_channel* fch, uint64_t ctx) noexcept nogil:
+    return 1        # an RDMA READ cannot be withdrawn: wait for it
+
+cdef void check_liveness(vb_chan* ch) noexcept nogil:
+    cdef char b
+    cdef ssize_t r = recv(ch.sock, &b, 1, MSG_DONTWAIT)
+    if r == 0 or (r < 0 and errno != EAGAIN and errno != EINTR):
+        ch.peer_gone = 1
+    elif r > 0:
+        fab_fail(&ch.base, EPROTO, "unexpected bytes on the bootstrap connection")
+
+cdef int emit_wc(vb_chan* ch, ibv_wc* wc, fab_completion* out, int n) noexcept nogil:
+    cdef uint32_t slot
+    if wc.wr_id & WR_RECV:
+        slot = <uint32_t>(wc.wr_id & 0xFFFFFFFFU)
+        ch.repost[ch.nrepost] = slot
+        ch.nrepost += 1
+        if wc.status != IBV_WC_SUCCESS:
+            fab_fail(&ch.base, ECONNRESET, ibv_wc_status_str(wc.status))
+            return n
+        out[n].kind = FAB_EV_RECV
+        out[n].status = 0
+        out[n].ctx = 0
+        out[n].data = ch.rbuf + slot * ch.slot
+        out[n].length = wc.byte_len
+        return n + 1
+    if wc.wr_id & WR_READ:
+        out[n].kind = FAB_EV_READ
+        out[n].status = 0 if wc.status == IBV_WC_SUCCESS else -13
+        out[n].ctx = wc.wr_id & ~WR_READ
+        out[n].data = NULL
+        out[n].length = 0
+        if wc.status != IBV_WC_SUCCESS:
+            # the QP is in error now: this read fails, and so does the connection
+            fab_fail(&ch.base, ECONNRESET if wc.status != IBV_WC_REM_ACCESS_ERR else EACCES_,
+                     ibv_wc_status_str(wc.status))
+        return n + 1
+    if wc.status != IBV_WC_SUCCESS:
+        fab_fail(&ch.base, ECONNRESET, ibv_wc_status_str(wc.status))
+        return n
+    out[n].kind = FAB_EV_SEND
+    out[n].status = 0
+    out[n].ctx = wc.wr_id
+    out[n].data = NULL
+    out[n].length = 0
+    return n + 1
+
+cdef int vb_poll(fab_channel* fch, fab_completion* out, int max_events) noexcept nogil:
+    cdef vb_chan* ch = <vb_chan*>fch
+    cdef ibv_wc wc[32]
+    cdef int n = 0, got, i, want
+    cdef uint32_t k
+    cdef ibv_cq* ev_cq
+    cdef void* ev_ctx
+    # buffers handed out by the previous poll go back to the receive queue
+    for k in range(ch.nrepost):
+        if fab_ib_post_recv(ch.qp, <uint64_t><size_t>(ch.rbuf + ch.repost[k] * ch.slot), <uint32_t>ch.slot,
+                            ch.rmr.lkey, WR_RECV | ch.repost[k]) != 0 and not fch.failed:
+            fab_fail(fch, EIO_, "ibv_post_recv")
+    ch.nrepost = 0
+    if ch.state == ST_BOOT and not fch.failed:
+        boot_progress(ch)
+    while ibv_get_cq_event(ch.cc, &ev_cq, &ev_ctx) == 0:
+        ch.unacked += 1
+    if ch.unacked >= 16:
+        ibv_ack_cq_events(ch.cq, ch.unacked)
+        ch.unacked = 0
+    for i in range(ch.nstash):
+        if n < max_events:
+            n = emit_wc(ch, &ch.stash[i], out, n)
+    ch.nstash = 0
+    while n < max_events:
+        want = max_events - n
+        if want > 32:
+            want = 32
+        got = ibv_poll_cq(ch.cq, want, wc)
+        if got <= 0:
+            break
+        fch.activity += 1
+        for i in range(got):
+            n = emit_wc(ch, &wc[i], out, n)
+    ch.polls += 1
+    if ch.state == ST_READY and not ch.peer_gone and ch.polls % LIVENESS_EVERY == 0:
+        check_liveness(ch)
+    if ch.peer_gone and n == 0 and not fch.failed:
+        fab_fail(fch, ECONNRESET, "peer closed the connection")
+    if fch.failed and n < max_events:
+        out[n].kind = FAB_EV_FAILED
+        out[n].status = -fch.failed
+        out[n].ctx = 0
+        out[n].data = NULL
+        out[n].length = 0
+        n += 1
+    return n
+
+cdef int vb_arm(fab_channel* fch, uint32_t* events) noexcept nogil:
+    cdef vb_chan* ch = <vb_chan*>fch
+    cdef epoll_event ev
+    cdef int got
+    if fch.failed or ch.peer_gone or ch.nstash > 0 or ch.nrepost > 0:
+        return 1
+    if ch.state == ST_READY:
+        check_liveness(ch)
+        if ch.peer_gone or fch.failed:
+            return 1
+    else:
+        ev.events = EPOLLIN | (EPOLLOUT if ch.bout_done < BOOT_SIZE else 0)
+        ev.data.u64 = 1
+        epoll_ctl(fch.fd, EPOLL_CTL_MOD, ch.sock, &ev)
+    ibv_req_notify_cq(ch.cq, 0)
+    # a completion that arrived before the request would not be signalled
+    got = ibv_poll_cq(ch.cq, STASH, ch.stash)
+    if got > 0:
+        ch.nstash = got
+        return 1
+    events[0] = EPOLLIN
+    return 0
+
+cdef void vb_close(fab_channel* fch) noexcept nogil:
+    cdef vb_chan* ch = <vb_chan*>fch
+    cdef vb_mrnode* node
+    cdef vb_deferred* dq
+    if ch.qp != NULL:
+        fab_ib_qp_error(ch.qp)
+        ibv_destroy_qp(ch.qp)      # no access to our memory after this
+    if ch.unacked:
+        ibv_ack_cq_events(ch.cq, ch.unacked)
+    if ch.cq != NULL:
+        ibv_destroy_cq(ch.cq)
+    if ch.cc != NULL:
+        ibv_destroy_comp_channel(ch.cc)
+    while ch.mrs != NULL:
+        node = ch.mrs
+        ch.mrs = node.next
+        ibv_dereg_mr(node.mr)
+        free(node)
+    if ch.rmr != NULL:
+        ibv_dereg_mr(ch.rmr)
+    while ch.deferred != NULL:
+        dq = ch.deferred
+        ch.deferred = dq.next
+        free(dq)
+    free(ch.rbuf)
+    free(ch.repost)
+    if ch.sock >= 0:
+        close(ch.sock)
+    if fch.fd >= 0:
+        close(fch.fd)
+    domain_unref(ch.dom)
+    free(ch)
+
+
+# ----------------------------------------------------------------- set-up
+
+cdef fab_channel* new_channel(vb_domain* d, int sock, size_t max_recv, uint32_t depth) noexcept nogil:
+    cdef vb_chan* ch = <vb_chan*>calloc(1, sizeof(vb_chan))
+    cdef epoll_event ev
+    cdef uint32_t i, psn = 0
+    if ch == NULL:
+        return NULL
+    ch.base.ops = &VB_OPS
+    ch.base.caps = FAB_CAP_NATIVE_READ
+    ch.base.max_recv = max_recv
+    ch.base.recv_depth = depth
+    ch.base.send_depth = SEND_DEPTH
+    ch.dom = d
+    d.refs += 1
+    ch.sock = sock
+    ch.state = ST_BOOT
+    ch.base.fd = epoll_create1(EPOLL_CLOEXEC)
+    local_and_peer_names(sock, ch.base.local_name, ch.base.peer_name, 64)
+    ch.cc = ibv_create_comp_channel(d.ctx)
+    ch.slot = max_recv
+    ch.depth = depth
+    ch.rbuf = <char*>malloc(depth * max_recv)
+    ch.repost = <uint32_t*>malloc(depth * sizeof(uint32_t))
+    if ch.base.fd < 0 or ch.cc == NULL or ch.rbuf == NULL or ch.repost == NULL:
+        fab_fail(&ch.base, ENOMEM, "cannot set up the connection")
+        return &ch.base
+    fcntl(ch.cc.fd, F_SETFL, fcntl(ch.cc.fd, F_GETFL) | O_NONBLOCK)
+    ch.cq = ibv_create_cq(d.ctx, <int>(depth + SEND_DEPTH + READ_DEPTH + 16), NULL, ch.cc, 0)
+    if ch.cq == NULL:
+        fab_fail(&ch.base, errno if errno else ENOMEM, "ibv_create_cq")
+        return &ch.base
+    ch.qp = fab_ib_create_qp(d.pd, ch.cq, SEND_DEPTH + READ_DEPTH, depth, 256, &ch.max_inline)
+    if ch.qp == NULL:
+        fab_fail(&ch.base, errno if errno else ENOMEM, "ibv_create_qp")
+        return &ch.base
+    ch.rmr = ibv_reg_mr(d.pd, ch.rbuf, depth * max_recv, IBV_ACCESS_LOCAL_WRITE)
+    if ch.rmr == NULL or fab_ib_qp_init(ch.qp, d.port) != 0:
+        fab_fail(&ch.base, errno if errno else EIO_, "preparing the queue pair")
+        return &ch.base
+    # every receive is posted before the peer learns our QP number
+    for i in range(depth):
+        if fab_ib_post_recv(ch.qp, <uint64_t><size_t>(ch.rbuf + i * max_recv), <uint32_t>max_recv,
+                            ch.rmr.lkey, WR_RECV | i) != 0:
+            fab_fail(&ch.base, EIO_, "ibv_post_recv")
+            return &ch.base
+    getrandom(&psn, sizeof(psn), 0)
+    ch.psn = psn & 0xFFFFFF
+    put32(ch.bout, BOOT_MAGIC)
+    put32(ch.bout + 4, 1)
+    put32(ch.bout + 8, ch.qp.qp_num)
+    put32(ch.bout + 12, ch.psn)
+    memcpy(ch.bout + 16, d.gid, 16)
+    memcpy(ch.bout + 32, &d.lid, 2)
+    ch.bout[34] = <char>d.active_mtu
+    ch.bout[35] = 0
+    put32(ch.bout + 36, d.max_rd_atomic)
+    ev.events = EPOLLIN
+    ev.data.u64 = 0
+    epoll_ctl(ch.base.fd, EPOLL_CTL_ADD, ch.cc.fd, &ev)
+    ev.events = EPOLLIN | EPOLLOUT
+    ev.data.u64 = 1
+    epoll_ctl(ch.base.fd, EPOLL_CTL_ADD, sock, &ev)
+    boot_progress(ch)
+    return &ch.base
+
+
+cdef int vb_accept(fab_listener* lst, size_t max_recv, fab_channel** out) noexcept nogil:
+    cdef vb_lst* l = <vb_lst*>lst
+    cdef int fd = accept_socket(lst.fd)
+    if fd < 0:
+        return EAGAIN if fd == -EAGAIN else fd
+    tune_socket(fd, 30000, 10)
+    out[0] = new_channel(l.dom, fd, max_recv, l.depth)
+    if out[0] == NULL:
+        close(fd)
+        return -ENOMEM
+    return 0
+
+
+cdef void vb_close_listener(fab_listener* lst) noexcept nogil:
+    cdef vb_lst* l = <vb_lst*>lst
+    if lst.fd >= 0:
+        close(lst.fd)
+    domain_unref(l.dom)
+    free(lst)
+
+
+# --------------------------------------------------- device, port and GID
+
+SYS = "/sys/class/infiniband"
+
+
+def _read(path):
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def select_device(env=None, rxe_only=False):
+    """(device, port, gid_index, link_layer) by the documented rule, or raise
+    LookupError naming what was tried."""
+    env = os.environ if env is None else env
+    if not os.path.isdir(SYS) or not os.listdir(SYS):
+        raise LookupError("no RDMA device: /sys/class/infiniband is empty or absent (this kernel has no "
+                          "RDMA driver; Soft-RoCE needs rdma_rxe: run under tools/softroce.py)")
+    want_dev = env.get("FABRIC_VERBS_DEVICE")
+    want_port = env.get("FABRIC_VERBS_PORT")
+    want_gid = env.get("FABRIC_VERBS_GID_INDEX")
+    tried = []
+    for dev in sorted(os.listdir(SYS)):
+        if want_dev and dev != want_dev:
+            continue
+        if rxe_only and not (dev.startswith("rxe") or _read(f"{SYS}/{dev}/node_type") is None
+                             or "rxe" in (os.path.realpath(f"{SYS}/{dev}/device") if os.path.exists(f"{SYS}/{dev}/device") else dev)):
+            tried.append(f"{dev}: not an rxe device")
+            continue
+        ports = sorted(os.listdir(f"{SYS}/{dev}/ports"), key=int)
+        for port in ports:
+            if want_port and port != want_port:
+                continue
+            state = _read(f"{SYS}/{dev}/ports/{port}/state") or "?"
+            if "ACTIVE" not in state:
+                tried.append(f"{dev} port {port}: state {state}")
+                continue
+            link = _read(f"{SYS}/{dev}/ports/{port}/link_layer") or "InfiniBand"
+            if link != "Ethernet":
+                return dev, int(port), int(want_gid or 0), link
+            gids = sorted(os.listdir(f"{SYS}/{dev}/ports/{port}/gids"), key=int)
+            for idx in gids:
+                if want_gid is not None and idx != want_gid:
+                    continue
+                gid = _read(f"{SYS}/{dev}/ports/{port}/gids/{idx}") or ""
+                gtype = _read(f"{SYS}/{dev}/ports/{port}/gid_attrs/types/{idx}") or "?"
+                if want_gid is not None:
+                    return dev, int(port), int(idx), link
+                if gtype == "RoCE v2" and gid.startswith("0000:0000:0000:0000:0000:ffff:"):
+                    return dev, int(port), int(idx), link
+            tried.append(f"{dev} port {port}: no RoCE v2 GID with an IPv4 address "
+                         f"(set FABRIC_VERBS_GID_INDEX)")
+    if not tried:
+        tried.append("no device matched FABRIC_VERBS_DEVICE/FABRIC_VERBS_PORT")
+    raise LookupError("no usable RDMA port; tried: " + "; ".join(tried))
+
+
+cdef class VerbsBackend(Backend):
+    """RC queue pairs over libibverbs: SEND/RECV for frames, RDMA READ for pulls."""
+    cdef public bint rxe_only
+
+    def __init__(self):
+        self.name = "verbs"
+        self.caps = FAB_CAP_NATIVE_READ
+        self.rxe_only = False
+
+    def default_options(self):
+        # Under TCG (Soft-RoCE in QEMU) every Python call costs ~20x: keep
+        # eager frames large enough for small tensors, pull above 16 KiB.
+        return {"eager_limit": 16384, "chunk_size": 1 << 20, "chunks_in_flight": 4,
+                "coalesce_limit": 16384 + 1024, "credits": 32}
+
+    @staticmethod
+    def available():
+        try:
+            dev, port, gid, link = select_device()
+        except LookupError as e:
+            return False, str(e)
+        return True, f"{dev} port {port} ({link}, GID index {gid})"
+
+    def for_softroce(self):
+        try:
+            select_device(rxe_only=True)
+        except LookupError as e:
+            from fabric.errors import BackendUnavailable
+            raise BackendUnavailable(f"backend 'softroce' needs an rxe device: {e}") from None
+        b = VerbsBackend()
+        b.rxe_only = True
+        return b
+
+    def open_domain(self, dict options):
+        cdef VerbsDomain dom = VerbsDomain.__new__(VerbsDomain)
+        cdef vb_domain* d
+        cdef int rc
+        dev, port, gid_index, link = select_device(rxe_only=self.rxe_only)
+        d = <vb_domain*>calloc(1, sizeof(vb_domain))
+        if d == NULL:
+            raise MemoryError()
+        bname = dev.encode()
+        d.ctx = fab_ib_open(bname)
+        if d.ctx == NULL:
+            free(d)
+            raise OSError(f"cannot open RDMA device {dev}")
+        d.pd = ibv_alloc_pd(d.ctx)
+        if d.pd == NULL:
+            ibv_close_device(d.ctx)
+            free(d)
+            raise OSError(f"cannot allocate a protection domain on {dev}")
+        d.port = port
+        d.gid_index = gid_index
+        d.refs = 1
+        dom.d = d
+        rc = fab_ib_port(d.ctx, port, gid_index, d.gid, &d.lid, &d.active_mtu, &d.is_eth, &d.max_rd_atomic)
+        if rc != 0:
+            raise OSError(rc, f"cannot query {dev} port {port} GID {gid_index}")
+        if d.max_rd_atomic > 16:
+            d.max_rd_atomic = 16
+        return dom
+
+    cdef fab_listener* listen(self, object domain, str host, int port, dict options) except NULL:
+        cdef vb_domain* d = (<VerbsDomain?>domain).d
+        cdef vb_lst* l = <vb_lst*>calloc(1, sizeof(vb_lst))
+        if l == NULL:
+            raise MemoryError()
+        try:
+            l.base.fd = listen_socket(host, port, l.base.address, 96)
+        except BaseException:
+            free(l)
+            raise
+        l.base.accept = vb_accept
+        l.base.close = vb_close_listener
+        l.dom = d
+        l.depth = recv_depth_for(options)
+        d.refs += 1
+        return &l.base
+
+    cdef fab_channel* connect(self, object domain, str host, int port, double timeout,
+                              size_t max_recv, dict options) except NULL:
+        cdef vb_domain* d = (<VerbsDomain?>domain).d
+        cdef int fd = connect_socket(host, port, timeout)
+        cdef fab_channel* ch
+        tune_socket(fd, int(options.get("tcp_user_timeout_ms", 30000)), int(options.get("tcp_keepalive_s", 10)))
+        ch = new_channel(d, fd, max_recv, recv_depth_for(options))
+        if ch == NULL:
+            close(fd)
+            raise MemoryError()
+        return ch
