@@ -174,7 +174,9 @@ def run_guest(command: list[str], timeout: float, memory: int, cpus: int, verbos
                     .replace("{command}", " ".join(shlex.quote(c) for c in command)))
         open(os.path.join(job, "output"), "w").close()
         serial = os.path.join(job, "serial.log")
-        cmd = [qemu, "-accel", "tcg,thread=multi", "-smp", str(cpus), "-m", str(memory),
+        # -cpu max: the default qemu64 model lacks SSE4.2 and friends, which
+        # numpy (x86-64-v2 baseline) needs; TCG emulates them.
+        cmd = [qemu, "-accel", "tcg,thread=multi", "-cpu", "max", "-smp", str(cpus), "-m", str(memory),
                "-kernel", kernel, "-initrd", initrd,
                "-append", "console=ttyS0 panic=-1 rdinit=/init loglevel=4",
                "-display", "none", "-serial", f"file:{serial}", "-monitor", "none",
