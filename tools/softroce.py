@@ -116,6 +116,7 @@ while [ "$(cat /sys/class/infiniband/rxe0/ports/1/state 2>/dev/null)" != "4: ACT
 done
 echo "softroce: rxe0 ACTIVE on sr0 ($(uname -r))" >> $J/output
 . $J/env.sh
+export FABRIC_IN_SOFTROCE_GUEST=1
 cd {cwd} || finish 98
 {command} >> $J/output 2>&1
 finish $?

@@ -629,10 +629,18 @@ def _read(path):
         return None
 
 
-def select_device(env=None, rxe_only=False):
+def _is_rxe(sys_dir, dev):
+    """Soft-RoCE devices have no PCI parent and report the rxe driver."""
+    parent = _read(f"{sys_dir}/{dev}/parent")
+    return dev.startswith("rxe") or (parent is not None and not os.path.exists(f"{sys_dir}/{dev}/device"))
+
+
+def select_device(env=None, rxe_only=False, root=None):
     """(device, port, gid_index, link_layer) by the documented rule, or raise
-    LookupError naming what was tried."""
+    LookupError naming what was tried. `root` replaces /sys/class/infiniband
+    (tests)."""
     env = os.environ if env is None else env
+    SYS = root or globals()["SYS"]
     if not os.path.isdir(SYS) or not os.listdir(SYS):
         raise LookupError("no RDMA device: /sys/class/infiniband is empty or absent (this kernel has no "
                           "RDMA driver; Soft-RoCE needs rdma_rxe: run under tools/softroce.py)")
@@ -643,8 +651,7 @@ def select_device(env=None, rxe_only=False):
     for dev in sorted(os.listdir(SYS)):
         if want_dev and dev != want_dev:
             continue
-        if rxe_only and not (dev.startswith("rxe") or _read(f"{SYS}/{dev}/node_type") is None
-                             or "rxe" in (os.path.realpath(f"{SYS}/{dev}/device") if os.path.exists(f"{SYS}/{dev}/device") else dev)):
+        if rxe_only and not _is_rxe(SYS, dev):
             tried.append(f"{dev}: not an rxe device")
             continue
         ports = sorted(os.listdir(f"{SYS}/{dev}/ports"), key=int)
