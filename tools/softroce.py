@@ -31,6 +31,7 @@ import tempfile
 import time
 
 GUEST_IP = "192.0.2.1/24"
+# rxe takes its path MTU from the netdev: 1500 -> 1024-byte packets, 9000 -> 4096.
 MODULES_EARLY = ["virtio_pci", "9pnet_virtio", "9p", "overlay"]
 RDMA_MODULES = ["rdma_rxe", "ib_uverbs", "rdma_ucm"]
 
@@ -107,7 +108,7 @@ J=/run/fabric-job
 finish() { echo "$1" > $J/exit; sync; echo o > /proc/sysrq-trigger; sleep 30; }
 for m in {rdma_modules}; do modprobe "$m" || { echo "softroce: modprobe $m failed" >> $J/output; finish 97; }; done
 ip link set lo up
-ip link add sr0 type dummy && ip addr add {guest_ip} dev sr0 && ip link set sr0 up || finish 97
+ip link add sr0 type dummy && ip link set sr0 mtu {mtu} && ip addr add {guest_ip} dev sr0 && ip link set sr0 up || finish 97
 rdma link add rxe0 type rxe netdev sr0 || { echo "softroce: rdma link add failed" >> $J/output; finish 97; }
 i=0
 while [ "$(cat /sys/class/infiniband/rxe0/ports/1/state 2>/dev/null)" != "4: ACTIVE" ]; do
@@ -153,7 +154,8 @@ def build_initramfs(kver: str, cache_dir: str) -> str:
     return path
 
 
-def run_guest(command: list[str], timeout: float, memory: int, cpus: int, verbose: bool) -> int:
+def run_guest(command: list[str], timeout: float, memory: int, cpus: int, verbose: bool,
+              mtu: int = 9000) -> int:
     qemu = shutil.which("qemu-system-x86_64")
     if qemu is None:
         raise HarnessError("qemu-system-x86_64 is missing (apt-get install qemu-system-x86)")
@@ -171,6 +173,7 @@ def run_guest(command: list[str], timeout: float, memory: int, cpus: int, verbos
         with open(os.path.join(job, "stage2.sh"), "w") as f:
             f.write(STAGE2.replace("{rdma_modules}", " ".join(RDMA_MODULES))
                     .replace("{guest_ip}", GUEST_IP)
+                    .replace("{mtu}", str(mtu))
                     .replace("{cwd}", shlex.quote(os.getcwd()))
                     .replace("{command}", " ".join(shlex.quote(c) for c in command)))
         open(os.path.join(job, "output"), "w").close()
@@ -256,6 +259,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=900, help="seconds for the whole run (default 900)")
     ap.add_argument("--memory", type=int, default=2048, help="guest memory in MiB")
     ap.add_argument("--cpus", type=int, default=2)
+    ap.add_argument("--mtu", type=int, default=9000,
+                    help="MTU of the dummy netdev under rxe0 (9000 gives rxe a 4096-byte path MTU)")
     ap.add_argument("--check", action="store_true", help="only say whether the harness can run here")
     ap.add_argument("-v", "--verbose", action="store_true")
     ap.add_argument("command", nargs="*")
@@ -275,7 +280,7 @@ def main(argv=None) -> int:
             ap.error("give a command after --")
         if args.host:
             return run_host(args.command, args.timeout)
-        return run_guest(args.command, args.timeout, args.memory, args.cpus, args.verbose)
+        return run_guest(args.command, args.timeout, args.memory, args.cpus, args.verbose, args.mtu)
     except HarnessError as e:
         print(f"softroce: {e}", file=sys.stderr)
         return 96
