@@ -31,7 +31,7 @@ class _Driver:
         self._wake()
 
     def _on_notified(self):
-        self.worker.loop_watch(True)       # drains the notification
+        self.worker.drain_notify()
         self._on_ready()
 
     def _watch(self, on):

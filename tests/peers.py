@@ -12,6 +12,7 @@ import fabric  # noqa: E402
 SMALL = dict(eager_limit=4096, chunk_size=16384, chunks_in_flight=3, coalesce_limit=8192,
              credits=8, send_buffers=4, recv_budget=1 << 20, spin_us=20)
 SMALL.update(json.loads(os.environ.get("FABRIC_TEST_OPTIONS", "{}")))
+FAULT = os.environ.pop("FABRIC_FAULT_INJECT", "")
 
 
 def say(text):
@@ -75,6 +76,27 @@ def big_sender(backend, address, size):
     say("sending")
     time.sleep(60)
     req.wait()
+
+
+def faulty_sender(backend, address, size):
+    """Connect and send one message while FABRIC_FAULT_INJECT forges its
+    announcement; report how the send ended, then send a normal message."""
+    os.environ.pop("FABRIC_FAULT_INJECT", None)
+    fab_ok = fabric.Fabric(backend, **SMALL)
+    os.environ["FABRIC_FAULT_INJECT"] = FAULT
+    fab = fabric.Fabric(backend, **SMALL)
+    ep = fab.connect(address, timeout=60)
+    say("connected")
+    req = ep.isend(bytearray(int(size)))
+    try:
+        req.wait(timeout=60)
+        say("send ok")
+    except fabric.FabricError as e:
+        say(f"send failed {type(e).__name__}")
+    ep.close(linger=0)
+    ok = fab_ok.connect(address, timeout=60)
+    ok.send(b"still fine")
+    ok.close()
 
 
 def big_receiver(backend, size):

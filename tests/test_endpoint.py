@@ -546,3 +546,31 @@ def test_coalescing_packs_many_messages_into_few_fabric_sends(pair):
     assert sends < n / 4, f"{n} small messages took {sends} fabric sends: not coalesced"
     s = server.stats()
     assert s["frames_received"] > s["fabric_recvs"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fault", ["bad_key", "bad_range"])
+def test_peer_offering_a_bad_key_or_range(backend_name, peer_factory, fault):
+    """A peer that announces memory it does not offer (forged key, or an
+    address past its region): the receiver fails that message promptly with a
+    fabric error, reads nothing it was not offered, and keeps serving."""
+    if backend_name == "ucx":
+        pytest.skip("not exercised on ucx: unpacking a forged packed rkey is not defined to fail "
+                    "safely in UCX (its rkeys are opaque blobs the peer must trust)")
+    fab = fabric.Fabric(backend_name, **small_options())
+    lst = fab.listen("127.0.0.1:0")
+    peer = peer_factory("faulty_sender", lst.address, 3 * CHUNK, backend=backend_name,
+                        env={"FABRIC_FAULT_INJECT": fault})
+    ep = lst.accept(timeout=60)
+    started = time.monotonic()
+    with pytest.raises((fabric.RemoteAccessError, fabric.ConnectionLost)):
+        ep.recv(timeout=60)
+    assert time.monotonic() - started < 30
+    good = lst.accept(timeout=60)
+    assert good.recv(timeout=60) == b"still fine"
+    code, out, err = peer.wait(60)
+    assert code == 0, err
+    assert "send failed RemoteAccessError" in out or "send failed ConnectionLost" in out, out
+    for e in (ep, good):
+        e.close(linger=0)
+    lst.close()

@@ -19,6 +19,7 @@ cdef struct opts_t:
     double close_linger
     int progress_thread
     uint64_t native_min         # messages this large use the fabric's own rendezvous (0: never)
+    int fault                   # test-only fault injection (FABRIC_FAULT_INJECT), 0 normally
 
 cdef struct slab_t:
     slab_t* next
@@ -203,4 +204,5 @@ cdef struct worker_t:
     int wake_fd
     int notify_fd               # written after progress by other threads while a loop waits
     int loop_polling            # an asyncio loop watches epfd (it is the poller)
+    int loop_attached           # a loop has used this worker: progress elsewhere notifies it
     double last_app

@@ -78,6 +78,10 @@ cdef enum:
     BG_WATCHING = 2      # the application is active: re-check after the grace period
     BG_POLLING = 3       # blocked in epoll, progressing for an application that is away
 
+cdef enum:
+    FAULT_BAD_KEY = 1      # announce chunks with a forged remote key
+    FAULT_BAD_RANGE = 2    # announce chunks at an address past their region
+
 cdef uint32_t NO_CHUNK = 0xFFFFFFFFU
 cdef size_t NATIVE_CHUNK = 1 << 30
 cdef uint64_t WAKE_KEY = 0xFFFFFFFFFFFFFFFFU
@@ -349,8 +353,11 @@ cdef int announce_chunk(ep_t* ep, sendop_t* op, int first) noexcept nogil:
         if room == NULL:
             ep.ch.ops.dereg(ep.ch, mr)
             return -1
-    put_rndv(room, op.msg_id, op.announced, op.total, op.msg_off, mr.addr,
-             <uint32_t>length, mr.rkey, mr.rkey_len)
+    if ep.w.opts.fault:
+        announce_faulty(ep, op, room, mr, length)
+    else:
+        put_rndv(room, op.msg_id, op.announced, op.total, op.msg_off, mr.addr,
+                 <uint32_t>length, mr.rkey, mr.rkey_len)
     ep.chunks_announced += 1
     ep.frames_sent += 1
     if first:
@@ -432,6 +439,19 @@ cdef void rndv_try_finish(ep_t* ep, sendop_t* op) noexcept nogil:
     if p[0] != NULL:
         p[0] = op.next
         op_finish(ep, op, EACCES_ if op.any_failed else 0)
+
+cdef void announce_faulty(ep_t* ep, sendop_t* op, uint8_t* room, fab_mr* mr, size_t length) noexcept nogil:
+    """Test-only: behave like a broken or hostile peer (FABRIC_FAULT_INJECT)."""
+    cdef uint8_t key[MAX_RKEY]
+    cdef uint64_t raddr = mr.addr
+    memcpy(key, mr.rkey, mr.rkey_len)
+    if ep.w.opts.fault == FAULT_BAD_KEY:
+        key[0] ^= 0x5A
+        key[mr.rkey_len - 1] ^= 0xA5
+    else:
+        raddr += length            # just past the registered region
+    put_rndv(room, op.msg_id, op.announced, op.total, op.msg_off, raddr,
+             <uint32_t>length, key, mr.rkey_len)
 
 cdef int announce_more(ep_t* ep, sendop_t* op) noexcept nogil:
     """Keep chunks_in_flight chunks announced once the first one is posted."""
@@ -1408,7 +1428,9 @@ cdef inline void notify_loop(worker_t* w) noexcept nogil:
     """Progress made outside the event loop may have finished what its
     coroutines wait for: make the loop look."""
     cdef uint64_t one = 1
-    if w.loop_polling:
+    # Also while the loop is not watching: a coroutine between its last check
+    # and its next wait must still learn that something happened meanwhile.
+    if w.loop_polling or w.loop_attached:
         write(w.notify_fd, &one, 8)
 
 cdef void drain_wake(worker_t* w) noexcept nogil:
@@ -1660,6 +1682,12 @@ cdef class Worker:
         o.close_linger = float(options["close_linger"])
         o.progress_thread = int(options.get("progress_thread", 1))
         o.native_min = int(options.get("native_min", 0))
+        # Test-only: make this Fabric announce forged keys or ranges, like a
+        # broken peer would (tests/test_endpoint.py). Never set in production.
+        fault = __import__("os").environ.get("FABRIC_FAULT_INJECT", "")
+        o.fault = {"": 0, "bad_key": FAULT_BAD_KEY, "bad_range": FAULT_BAD_RANGE}.get(fault, -1)
+        if o.fault < 0:
+            raise ValueError(f"FABRIC_FAULT_INJECT={fault!r}: use bad_key or bad_range")
         self.domain = backend.open_domain(self.options)
         self.pid = getpid()
         self.w.wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
@@ -1730,14 +1758,19 @@ cdef class Worker:
     def loop_watch(self, bint on):
         """An event loop starts (True) or stops (False) polling fileno();
         while it does, the progress thread leaves the polling to it."""
-        cdef uint64_t junk
         with nogil:
             alock(self.w)
             self.w.loop_polling = on
+            self.w.loop_attached = 1
             if not on:
                 pthread_cond_signal(&self.w.bg_cond)
-            read(self.w.notify_fd, &junk, 8)
             wunlock(self.w)
+
+    def drain_notify(self):
+        """Consume pending notifications (the loop is about to progress)."""
+        cdef uint64_t junk
+        with nogil:
+            read(self.w.notify_fd, &junk, 8)
 
     def progress(self):
         """Non-blocking progress of every endpoint and listener."""
