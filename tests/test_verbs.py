@@ -59,3 +59,23 @@ def test_real_device_choice_inside_the_guest():
     with open(f"/sys/class/infiniband/rxe0/ports/1/gids/{gid}") as f:
         assert f.read().strip().endswith("c000:0201")     # 192.0.2.1, RoCE v2
     assert backends.available()["verbs"][0]
+
+
+def test_discovery_agrees_with_pyverbs_inside_the_guest():
+    """Debian's pyverbs (an independent binding of rdma-core) as an oracle for
+    the device, port state, MTU and GID fabric chooses."""
+    if not os.environ.get("FABRIC_IN_SOFTROCE_GUEST"):
+        pytest.skip("runs inside the Soft-RoCE guest (tools/softroce.py), where rxe0 exists")
+    import sys
+    if "/usr/lib/python3/dist-packages" not in sys.path:
+        sys.path.append("/usr/lib/python3/dist-packages")     # Debian's python3-pyverbs (same 3.11 ABI)
+    pyverbs_device = pytest.importorskip("pyverbs.device", reason="Debian's python3-pyverbs is not installed")
+    dev, port, gid_index, link = verbs.select_device()
+    ctx = pyverbs_device.Context(name=dev)
+    attr = ctx.query_port(port)
+    assert attr.state == 4                                  # IBV_PORT_ACTIVE
+    with open(f"/sys/class/infiniband/{dev}/ports/{port}/gids/{gid_index}") as f:
+        assert str(ctx.query_gid(port, gid_index)) == f.read().strip()
+    assert str(ctx.query_gid(port, gid_index)).startswith("0000:0000:0000:0000:0000:ffff:")
+    # the path MTU fabric negotiates is the port's active MTU (9000-byte netdev: 4096)
+    assert attr.active_mtu == 5

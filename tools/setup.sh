@@ -17,7 +17,8 @@ dpkg -s libucx-dev >/dev/null 2>&1 || need+=(libucx-dev)
 # Soft-RoCE: Debian's kernel (it has rdma_rxe) booted under QEMU by
 # tools/softroce.py, rdma-core and perftest; FABRIC_SOFTROCE=0 skips them.
 if [ "${FABRIC_SOFTROCE:-1}" != 0 ]; then
-    for p in qemu-system-x86 linux-image-amd64 busybox-static rdma-core ibverbs-utils perftest libibverbs-dev; do
+    for p in qemu-system-x86 linux-image-amd64 busybox-static rdma-core ibverbs-utils perftest libibverbs-dev \
+             python3-pyverbs; do
         dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
     done
 fi
