@@ -117,6 +117,28 @@ cdef struct fab_listener:
     void (*close)(fab_listener* lst) noexcept nogil
     char address[96]
 
+cdef struct fab_regnode:
+    # A backend's list of live registrations, so close() can release them all.
+    fab_regnode* prev
+    fab_regnode* next
+    void* handle                   # the fabric's registration (ucp_mem_h, struct ibv_mr*)
+
+cdef inline void reglist_push(fab_regnode** head, fab_regnode* node) noexcept nogil:
+    node.prev = NULL
+    node.next = head[0]
+    if head[0] != NULL:
+        head[0].prev = node
+    head[0] = node
+
+cdef inline void reglist_unlink(fab_regnode** head, fab_regnode* node) noexcept nogil:
+    if node.prev != NULL:
+        node.prev.next = node.next
+    else:
+        head[0] = node.next
+    if node.next != NULL:
+        node.next.prev = node.prev
+
+
 cdef inline uint32_t recv_depth_for(dict options):
     """Receive buffers a channel must keep posted: the credits the engine
     offers its peer, plus the HELLO that arrives before any credit exists."""

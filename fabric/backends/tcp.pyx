@@ -24,6 +24,7 @@ from posix.uio cimport iovec
 from cpython.bytes cimport PyBytes_AsString
 
 from fabric._posix cimport *
+from fabric._bytes cimport wr32, wr64, rd32, rd64
 from fabric.backends.interface cimport *
 from fabric.backends.sockets cimport (accept_socket, connect_socket, listen_socket,
                                      local_and_peer_names, tune_socket)
@@ -99,29 +100,13 @@ TCP_OPS.arm = tcp_arm
 TCP_OPS.close = tcp_close
 
 
-cdef inline void put_u32(uint8_t* p, uint32_t v) noexcept nogil:
-    memcpy(p, &v, 4)
-
-cdef inline void put_u64(uint8_t* p, uint64_t v) noexcept nogil:
-    memcpy(p, &v, 8)
-
-cdef inline uint32_t get_u32(const uint8_t* p) noexcept nogil:
-    cdef uint32_t v
-    memcpy(&v, p, 4)
-    return v
-
-cdef inline uint64_t get_u64(const uint8_t* p) noexcept nogil:
-    cdef uint64_t v
-    memcpy(&v, p, 8)
-    return v
-
 cdef inline void make_header(uint8_t* h, int kind, uint32_t length, uint64_t ident) noexcept nogil:
     h[0] = MAGIC
     h[1] = <uint8_t>kind
     h[2] = 0
     h[3] = 0
-    put_u32(h + 4, length)
-    put_u64(h + 8, ident)
+    wr32(h + 4, length)
+    wr64(h + 8, ident)
 
 
 # ---------------------------------------------------------------- sending
@@ -300,7 +285,7 @@ cdef int tcp_reg(fab_channel* ch, void* addr, size_t length, fab_mr* mr) noexcep
     mr.addr = <uint64_t><size_t>addr
     mr.length = length
     mr.rkey_len = 8
-    put_u64(mr.rkey, c.regions[slot].key)
+    wr64(mr.rkey, c.regions[slot].key)
     return FAB_DONE
 
 
@@ -331,10 +316,10 @@ cdef tcp_region* find_region(tcp_chan* c, uint64_t key, uint64_t addr, uint64_t 
 
 cdef int serve_read(tcp_chan* c, const uint8_t* h, const uint8_t* body) noexcept nogil:
     """Answer a peer's READ_REQ from a region registered on this connection."""
-    cdef uint64_t ident = get_u64(h + 8)
-    cdef uint64_t addr = get_u64(body)
-    cdef uint64_t length = get_u64(body + 8)
-    cdef uint64_t key = get_u64(body + 16)
+    cdef uint64_t ident = rd64(h + 8)
+    cdef uint64_t addr = rd64(body)
+    cdef uint64_t length = rd64(body + 8)
+    cdef uint64_t key = rd64(body + 16)
     cdef tcp_region* r = find_region(c, key, addr, length)
     cdef iovec v[2]
     cdef tcp_send* s
@@ -354,7 +339,7 @@ cdef int serve_read(tcp_chan* c, const uint8_t* h, const uint8_t* body) noexcept
         return fab_fail(&c.base, ENOMEM, "read service")
     if cnt == 1:
         make_header(s.hdr, K_READ_ERR, 4, ident)
-        put_u32(s.hdr + HDR, 13)  # EACCES
+        wr32(s.hdr + HDR, 13)  # EACCES
     else:
         make_header(s.hdr, K_READ_RESP, <uint32_t>length, ident)
     s.iov[0].iov_base = s.hdr
@@ -390,8 +375,8 @@ cdef int tcp_read_remote(fab_channel* ch, void* dst, fab_mr* dst_mr, size_t leng
     if s == NULL:
         return fab_fail(ch, ENOMEM, "read")
     make_header(s.hdr, K_READ_REQ, 24, rd.ident)
-    put_u64(s.hdr + HDR, raddr)
-    put_u64(s.hdr + HDR + 8, length)
+    wr64(s.hdr + HDR, raddr)
+    wr64(s.hdr + HDR + 8, length)
     memcpy(s.hdr + HDR + 16, rkey, 8)
     s.iov[0].iov_base = s.hdr
     queue_send(c, s)
@@ -515,7 +500,7 @@ cdef int tcp_poll(fab_channel* ch, fab_completion* out, int max_events) noexcept
         if avail >= HDR:
             h = <uint8_t*>c.rbuf + c.rpos
             kind = h[1]
-            length = get_u32(h + 4)
+            length = rd32(h + 4)
             if h[0] != MAGIC or h[2] != 0 or h[3] != 0 or kind < K_MSG or kind > K_READ_ERR:
                 fab_fail(ch, EPROTO, "malformed frame from peer (bad TCP fabric header)")
                 break
@@ -529,7 +514,7 @@ cdef int tcp_poll(fab_channel* ch, fab_completion* out, int max_events) noexcept
                     emitted_recv = 1
                     continue
             elif kind == K_READ_REQ:
-                if length != 24 or get_u64(h + 8) == 0:
+                if length != 24 or rd64(h + 8) == 0:
                     fab_fail(ch, EPROTO, "malformed read request from peer")
                     break
                 if avail >= HDR + 24:
@@ -542,17 +527,17 @@ cdef int tcp_poll(fab_channel* ch, fab_completion* out, int max_events) noexcept
                     fab_fail(ch, EPROTO, "malformed read error from peer")
                     break
                 if avail >= HDR + 4:
-                    rd = take_read(c, get_u64(h + 8))
+                    rd = take_read(c, rd64(h + 8))
                     if rd == NULL:
                         fab_fail(ch, EPROTO, "peer answered a read that was not requested")
                         break
                     if not rd.canceled:
-                        n = emit(out, n, FAB_EV_READ, -<int>get_u32(h + HDR), rd.ctx, NULL, 0)
+                        n = emit(out, n, FAB_EV_READ, -<int>rd32(h + HDR), rd.ctx, NULL, 0)
                     free(rd)
                     c.rpos += HDR + 4
                     continue
             else:  # K_READ_RESP: payload goes straight to the read's destination
-                rd = take_read(c, get_u64(h + 8))
+                rd = take_read(c, rd64(h + 8))
                 if rd == NULL or rd.length != length:
                     if rd != NULL:
                         free(rd)
@@ -604,7 +589,7 @@ cdef int tcp_arm(fab_channel* ch, uint32_t* events) noexcept nogil:
     if c.cur_read == NULL and avail >= HDR:
         # A complete frame is buffered: progress is possible without the socket.
         h = <uint8_t*>c.rbuf + c.rpos
-        length = get_u32(h + 4)
+        length = rd32(h + 4)
         if h[1] == K_READ_RESP or avail >= HDR + <size_t>length:
             return 1
     events[0] = EPOLLIN | (EPOLLOUT if c.sq_head != NULL else 0)

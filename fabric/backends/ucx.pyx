@@ -21,6 +21,7 @@ from libc.string cimport memcpy, memset
 from posix.uio cimport iovec
 
 from fabric._posix cimport *
+from fabric._bytes cimport wr32, wr64, rd32, rd64
 from fabric.backends.interface cimport *
 from fabric.backends.sockets cimport (accept_socket, connect_socket, listen_socket,
                                      local_and_peer_names, tune_socket)
@@ -134,11 +135,6 @@ cdef struct ucx_event:
     size_t length
     int am_data          # data is UCX's (release with ucp_am_data_release), else NULL
 
-cdef struct ucx_mrnode:
-    ucx_mrnode* prev
-    ucx_mrnode* next
-    ucp_mem_h memh
-
 cdef struct ucx_large:
     # a native large chunk: arrived (desc set) and/or awaited (dst set)
     ucx_large* next
@@ -197,7 +193,7 @@ cdef struct ucx_chan:
     uint32_t handed_cap
     int inflight               # UCX requests that still reference this channel
     int closed                 # closed by the engine; freed when inflight drops to 0
-    ucx_mrnode* mrs
+    fab_regnode* mrs
     ucx_large* large           # native chunks arrived or awaited
 
 cdef struct ucx_req:
@@ -226,23 +222,6 @@ UCX_OPS.cancel_read = ucx_cancel_read
 UCX_OPS.poll = ucx_poll
 UCX_OPS.arm = ucx_arm
 UCX_OPS.close = ucx_close
-
-
-cdef inline void put32(char* p, uint32_t v) noexcept nogil:
-    memcpy(p, &v, 4)
-
-cdef inline void put64(char* p, uint64_t v) noexcept nogil:
-    memcpy(p, &v, 8)
-
-cdef inline uint32_t get32(const char* p) noexcept nogil:
-    cdef uint32_t v
-    memcpy(&v, p, 4)
-    return v
-
-cdef inline uint64_t get64(const char* p) noexcept nogil:
-    cdef uint64_t v
-    memcpy(&v, p, 8)
-    return v
 
 
 # ------------------------------------------------------------------ domain
@@ -381,11 +360,11 @@ cdef ucs_status_t on_am(void* arg, const void* header, size_t header_length, voi
     cdef char* copy
     if header_length != 8 and header_length != 16:
         return UCS_OK
-    ch = domain_find(d, get64(<const char*>header))
+    ch = domain_find(d, rd64(<const char*>header))
     if ch == NULL or ch.closed or ch.base.failed:
         return UCS_OK           # a message for a channel that is gone
     if header_length == 16:
-        return large_arrived(ch, get64(<const char*>header + 8), data, length, param.recv_attr)
+        return large_arrived(ch, rd64(<const char*>header + 8), data, length, param.recv_attr)
     if length > ch.base.max_recv:
         fab_fail(&ch.base, EPROTO, "peer sent a fabric message larger than this endpoint accepts")
         return UCS_OK
@@ -436,10 +415,10 @@ cdef int boot_make(ucx_chan* ch) noexcept nogil:
     if ch.bout == NULL:
         ucp_worker_release_address(ch.dom.worker, address)
         return fab_fail(&ch.base, ENOMEM, "bootstrap")
-    put32(ch.bout, BOOT_MAGIC)
-    put32(ch.bout + 4, BOOT_VERSION)
-    put64(ch.bout + 8, ch.key)
-    put32(ch.bout + 16, <uint32_t>alen)
+    wr32(ch.bout, BOOT_MAGIC)
+    wr32(ch.bout + 4, BOOT_VERSION)
+    wr64(ch.bout + 8, ch.key)
+    wr32(ch.bout + 16, <uint32_t>alen)
     memcpy(ch.bout + BOOT_FIXED, address, alen)
     ch.bout_len = BOOT_FIXED + alen
     ucp_worker_release_address(ch.dom.worker, address)
@@ -476,8 +455,8 @@ cdef int boot_progress(ucx_chan* ch) noexcept nogil:
             return fab_fail(&ch.base, errno, "bootstrap recv")
         ch.bin_len += <size_t>r
         if ch.bin_len == BOOT_FIXED and ch.bin_need == BOOT_FIXED:
-            alen = get32(ch.bin + 16)
-            if get32(ch.bin) != BOOT_MAGIC or get32(ch.bin + 4) != BOOT_VERSION:
+            alen = rd32(ch.bin + 16)
+            if rd32(ch.bin) != BOOT_MAGIC or rd32(ch.bin + 4) != BOOT_VERSION:
                 return fab_fail(&ch.base, EPROTO, "peer is not a fabric ucx endpoint (bad bootstrap)")
             if alen == 0 or alen > MAX_ADDRESS:
                 return fab_fail(&ch.base, EPROTO, "peer sent an implausible UCX worker address")
@@ -488,7 +467,7 @@ cdef int boot_progress(ucx_chan* ch) noexcept nogil:
             ch.bin_need = BOOT_FIXED + alen
     if ch.bout_done < ch.bout_len or ch.bin_len < ch.bin_need:
         return 0
-    ch.peer_key = get64(ch.bin + 8)
+    ch.peer_key = rd64(ch.bin + 8)
     st = UCS_ERR_BUSY
     if ch.dom.peer_errors:
         st = fab_ucx_ep_create(ch.dom.worker, <ucp_address_t*>(ch.bin + BOOT_FIXED), 1, on_ep_error, ch, &ch.ep)
@@ -628,8 +607,8 @@ cdef int ucx_send_large(fab_channel* fch, void* src, size_t length, uint64_t tag
     r.kind = R_LARGE_SEND
     r.ctx = ctx
     r.rkey = NULL
-    put64(r.header, ch.peer_key)
-    put64(r.header + 8, tag)
+    wr64(r.header, ch.peer_key)
+    wr64(r.header + 8, tag)
     sp = fab_ucx_am_send_large(ch.ep, r.header, 16, src, length, on_request_done, r)
     if sp == NULL:
         free(r)
@@ -694,22 +673,22 @@ cdef int ucx_send(fab_channel* fch, iovec* iov, fab_mr** mrs, int iovcnt, uint64
 
 cdef int ucx_reg(fab_channel* fch, void* addr, size_t length, fab_mr* mr) noexcept nogil:
     cdef ucx_chan* ch = <ucx_chan*>fch
-    cdef ucx_mrnode* node
+    cdef fab_regnode* node
     cdef void* packed
     cdef size_t size
     cdef ucs_status_t st
-    node = <ucx_mrnode*>calloc(1, sizeof(ucx_mrnode))
+    node = <fab_regnode*>calloc(1, sizeof(fab_regnode))
     if node == NULL:
         return -ENOMEM
-    st = fab_ucx_mem_map(ch.dom.context, addr, length, &node.memh)
+    st = fab_ucx_mem_map(ch.dom.context, addr, length, <ucp_mem_h*>&node.handle)
     if st != UCS_OK:
         free(node)
         return -ENOMEM
-    st = ucp_rkey_pack(ch.dom.context, node.memh, &packed, &size)
+    st = ucp_rkey_pack(ch.dom.context, <ucp_mem_h>node.handle, &packed, &size)
     if st != UCS_OK or size > FAB_MAX_RKEY:
         if st == UCS_OK:
             ucp_rkey_buffer_release(packed)
-        ucp_mem_unmap(ch.dom.context, node.memh)
+        ucp_mem_unmap(ch.dom.context, <ucp_mem_h>node.handle)
         free(node)
         return -EMSGSIZE
     memcpy(mr.rkey, packed, size)
@@ -718,25 +697,17 @@ cdef int ucx_reg(fab_channel* fch, void* addr, size_t length, fab_mr* mr) noexce
     mr.handle = node
     mr.addr = <uint64_t><size_t>addr
     mr.length = length
-    node.next = ch.mrs
-    if ch.mrs != NULL:
-        ch.mrs.prev = node
-    ch.mrs = node
+    reglist_push(&ch.mrs, node)
     fch.live_regions += 1
     return FAB_DONE
 
 cdef void ucx_dereg(fab_channel* fch, fab_mr* mr) noexcept nogil:
     cdef ucx_chan* ch = <ucx_chan*>fch
-    cdef ucx_mrnode* node = <ucx_mrnode*>mr.handle
+    cdef fab_regnode* node = <fab_regnode*>mr.handle
     if node == NULL:
         return
-    if node.prev != NULL:
-        node.prev.next = node.next
-    else:
-        ch.mrs = node.next
-    if node.next != NULL:
-        node.next.prev = node.prev
-    ucp_mem_unmap(ch.dom.context, node.memh)
+    reglist_unlink(&ch.mrs, node)
+    ucp_mem_unmap(ch.dom.context, <ucp_mem_h>node.handle)
     free(node)
     mr.handle = NULL
     fch.live_regions -= 1
@@ -866,7 +837,7 @@ cdef void ucx_close(fab_channel* fch) noexcept nogil:
     cdef ucx_chan* ch = <ucx_chan*>fch
     cdef ucs_status_ptr_t sp
     cdef double deadline
-    cdef ucx_mrnode* node
+    cdef fab_regnode* node
     cdef ucx_deferred* dq
     cdef ucx_large* lg
     cdef uint32_t i
@@ -893,7 +864,7 @@ cdef void ucx_close(fab_channel* fch) noexcept nogil:
     while ch.mrs != NULL:
         node = ch.mrs
         ch.mrs = node.next
-        ucp_mem_unmap(d.context, node.memh)
+        ucp_mem_unmap(d.context, <ucp_mem_h>node.handle)
         free(node)
     while ch.deferred != NULL:
         dq = ch.deferred

@@ -27,6 +27,7 @@ from libc.string cimport memcpy, memset
 from posix.uio cimport iovec
 
 from fabric._posix cimport *
+from fabric._bytes cimport wr32, rd32
 from fabric.backends.interface cimport *
 from fabric.backends.sockets cimport (accept_socket, connect_socket, listen_socket,
                                      local_and_peer_names, tune_socket)
@@ -128,11 +129,6 @@ cdef struct vb_domain:
     uint32_t max_rd_atomic
     int refs
 
-cdef struct vb_mrnode:
-    vb_mrnode* prev
-    vb_mrnode* next
-    ibv_mr* mr
-
 cdef struct vb_deferred:
     vb_deferred* next
     uint64_t ctx
@@ -165,7 +161,7 @@ cdef struct vb_chan:
     uint32_t nrepost
     vb_deferred* deferred
     vb_deferred* deferred_tail
-    vb_mrnode* mrs
+    fab_regnode* mrs
     ibv_wc stash[STASH]
     int nstash
 
@@ -189,15 +185,6 @@ VB_OPS.arm = vb_arm
 VB_OPS.close = vb_close
 
 
-cdef inline void put32(char* p, uint32_t v) noexcept nogil:
-    memcpy(p, &v, 4)
-
-cdef inline uint32_t get32(const char* p) noexcept nogil:
-    cdef uint32_t v
-    memcpy(&v, p, 4)
-    return v
-
-
 cdef void domain_unref(vb_domain* d) noexcept nogil:
     d.refs -= 1
     if d.refs == 0:
@@ -219,16 +206,16 @@ cdef class VerbsDomain:
 
 cdef int go_ready(vb_chan* ch) noexcept nogil:
     cdef vb_domain* d = ch.dom
-    cdef uint32_t qpn = get32(ch.bin + 8), psn = get32(ch.bin + 12)
+    cdef uint32_t qpn = rd32(ch.bin + 8), psn = rd32(ch.bin + 12)
     cdef uint16_t lid
     cdef int mtu = <uint8_t>ch.bin[34]
-    cdef uint32_t peer_rd = get32(ch.bin + 36)
+    cdef uint32_t peer_rd = rd32(ch.bin + 36)
     cdef uint32_t rd = d.max_rd_atomic
     cdef vb_deferred* dq
     cdef epoll_event ev
     cdef int rc
     memcpy(&lid, ch.bin + 32, 2)
-    if get32(ch.bin) != BOOT_MAGIC or get32(ch.bin + 4) != 1 or mtu < 1 or mtu > 5:
+    if rd32(ch.bin) != BOOT_MAGIC or rd32(ch.bin + 4) != 1 or mtu < 1 or mtu > 5:
         return fab_fail(&ch.base, EPROTO, "peer is not a fabric verbs endpoint (bad bootstrap)")
     if mtu > d.active_mtu:
         mtu = d.active_mtu          # path MTU: the smaller port MTU
@@ -297,7 +284,7 @@ cdef int vb_send(fab_channel* fch, iovec* iov, fab_mr** mrs, int iovcnt, uint64_
             continue
         sge[n].addr = <uint64_t><size_t>iov[i].iov_base
         sge[n].length = <uint32_t>iov[i].iov_len
-        sge[n].lkey = (<vb_mrnode*>mrs[i].handle).mr.lkey if mrs != NULL and mrs[i] != NULL else 0
+        sge[n].lkey = (<ibv_mr*>(<fab_regnode*>mrs[i].handle).handle).lkey if mrs != NULL and mrs[i] != NULL else 0
         total += iov[i].iov_len
         n += 1
     inl = total <= ch.max_inline
@@ -325,37 +312,30 @@ cdef int vb_send(fab_channel* fch, iovec* iov, fab_mr** mrs, int iovcnt, uint64_
 
 cdef int vb_reg(fab_channel* fch, void* addr, size_t length, fab_mr* mr) noexcept nogil:
     cdef vb_chan* ch = <vb_chan*>fch
-    cdef vb_mrnode* node = <vb_mrnode*>calloc(1, sizeof(vb_mrnode))
+    cdef fab_regnode* node = <fab_regnode*>calloc(1, sizeof(fab_regnode))
     if node == NULL:
         return -ENOMEM
-    node.mr = ibv_reg_mr(ch.dom.pd, addr, length, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ)
-    if node.mr == NULL:
+    cdef ibv_mr* ib = ibv_reg_mr(ch.dom.pd, addr, length, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ)
+    if ib == NULL:
         free(node)
         return -(errno if errno else ENOMEM)
+    node.handle = ib
     mr.handle = node
     mr.addr = <uint64_t><size_t>addr
     mr.length = length
     mr.rkey_len = 4
-    memcpy(mr.rkey, &node.mr.rkey, 4)
-    node.next = ch.mrs
-    if ch.mrs != NULL:
-        ch.mrs.prev = node
-    ch.mrs = node
+    memcpy(mr.rkey, &ib.rkey, 4)
+    reglist_push(&ch.mrs, node)
     fch.live_regions += 1
     return FAB_DONE
 
 cdef void vb_dereg(fab_channel* fch, fab_mr* mr) noexcept nogil:
     cdef vb_chan* ch = <vb_chan*>fch
-    cdef vb_mrnode* node = <vb_mrnode*>mr.handle
+    cdef fab_regnode* node = <fab_regnode*>mr.handle
     if node == NULL:
         return
-    if node.prev != NULL:
-        node.prev.next = node.next
-    else:
-        ch.mrs = node.next
-    if node.next != NULL:
-        node.next.prev = node.prev
-    ibv_dereg_mr(node.mr)
+    reglist_unlink(&ch.mrs, node)
+    ibv_dereg_mr(<ibv_mr*>node.handle)
     free(node)
     mr.handle = NULL
     fch.live_regions -= 1
@@ -371,7 +351,7 @@ cdef int vb_read(fab_channel* fch, void* dst, fab_mr* dst_mr, size_t length, uin
         return -EINVAL
     memcpy(&key, rkey, 4)
     rc = fab_ib_post_read(ch.qp, <uint64_t><size_t>dst, <uint32_t>length,
-                          (<vb_mrnode*>dst_mr.handle).mr.lkey, raddr, key, ctx | WR_READ)
+                          (<ibv_mr*>(<fab_regnode*>dst_mr.handle).handle).lkey, raddr, key, ctx | WR_READ)
     if rc != 0:
         return fab_fail(fch, rc, "ibv_post_send (RDMA READ)")
     return FAB_PENDING
@@ -496,7 +476,7 @@ cdef int vb_arm(fab_channel* fch, uint32_t* events) noexcept nogil:
 
 cdef void vb_close(fab_channel* fch) noexcept nogil:
     cdef vb_chan* ch = <vb_chan*>fch
-    cdef vb_mrnode* node
+    cdef fab_regnode* node
     cdef vb_deferred* dq
     if ch.qp != NULL:
         fab_ib_qp_error(ch.qp)
@@ -510,7 +490,7 @@ cdef void vb_close(fab_channel* fch) noexcept nogil:
     while ch.mrs != NULL:
         node = ch.mrs
         ch.mrs = node.next
-        ibv_dereg_mr(node.mr)
+        ibv_dereg_mr(<ibv_mr*>node.handle)
         free(node)
     if ch.rmr != NULL:
         ibv_dereg_mr(ch.rmr)
@@ -576,15 +556,15 @@ cdef fab_channel* new_channel(vb_domain* d, int sock, size_t max_recv, uint32_t 
             return &ch.base
     getrandom(&psn, sizeof(psn), 0)
     ch.psn = psn & 0xFFFFFF
-    put32(ch.bout, BOOT_MAGIC)
-    put32(ch.bout + 4, 1)
-    put32(ch.bout + 8, ch.qp.qp_num)
-    put32(ch.bout + 12, ch.psn)
+    wr32(ch.bout, BOOT_MAGIC)
+    wr32(ch.bout + 4, 1)
+    wr32(ch.bout + 8, ch.qp.qp_num)
+    wr32(ch.bout + 12, ch.psn)
     memcpy(ch.bout + 16, d.gid, 16)
     memcpy(ch.bout + 32, &d.lid, 2)
     ch.bout[34] = <char>d.active_mtu
     ch.bout[35] = 0
-    put32(ch.bout + 36, d.max_rd_atomic)
+    wr32(ch.bout + 36, d.max_rd_atomic)
     ev.events = EPOLLIN
     ev.data.u64 = 0
     epoll_ctl(ch.base.fd, EPOLL_CTL_ADD, ch.cc.fd, &ev)

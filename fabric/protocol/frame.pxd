@@ -30,6 +30,7 @@
 #   CLOSE       no body; the sender will send nothing more.
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
+from fabric._bytes cimport wr16, wr32, wr64, rd16, rd32, rd64
 
 cdef enum:
     FRAME_MAGIC = 0xFB
@@ -70,31 +71,6 @@ cdef struct frame_t:
     uint32_t hello_max_recv
     uint32_t hello_credits
     uint64_t hello_max_message
-
-
-cdef inline void wr16(uint8_t* p, uint16_t v) noexcept nogil:
-    memcpy(p, &v, 2)
-
-cdef inline void wr32(uint8_t* p, uint32_t v) noexcept nogil:
-    memcpy(p, &v, 4)
-
-cdef inline void wr64(uint8_t* p, uint64_t v) noexcept nogil:
-    memcpy(p, &v, 8)
-
-cdef inline uint16_t rd16(const uint8_t* p) noexcept nogil:
-    cdef uint16_t v
-    memcpy(&v, p, 2)
-    return v
-
-cdef inline uint32_t rd32(const uint8_t* p) noexcept nogil:
-    cdef uint32_t v
-    memcpy(&v, p, 4)
-    return v
-
-cdef inline uint64_t rd64(const uint8_t* p) noexcept nogil:
-    cdef uint64_t v
-    memcpy(&v, p, 8)
-    return v
 
 
 cdef inline void put_header(uint8_t* p, int ftype, int flags, uint32_t body_length,
