@@ -44,3 +44,11 @@ def test_address_parsing():
             parse(bad)
     with pytest.raises(ValueError, match="names backend"):
         parse("ucx://h:1", "tcp")
+
+
+def test_auto_prefers_ucx_only_when_configured(monkeypatch):
+    from fabric.backends import auto_order
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    assert auto_order() == ("verbs", "tcp")
+    monkeypatch.setenv("UCX_TLS", "sm")
+    assert auto_order() == ("verbs", "ucx", "tcp")

@@ -8,19 +8,31 @@ list.
 from __future__ import annotations
 
 import importlib
+import os
 
 from fabric.errors import BackendUnavailable
 
-# name -> (module, class); AUTO_ORDER is fastest first.
+# name -> (module, class); auto_order() says which "auto" tries first.
 KNOWN = {
     "ucx": ("fabric.backends.ucx", "UcxBackend"),
     "verbs": ("fabric.backends.verbs", "VerbsBackend"),
     "tcp": ("fabric.backends.tcp", "TcpBackend"),
 }
 ALIASES = {"softroce": "verbs"}
-AUTO_ORDER = ("ucx", "verbs", "tcp")
 NAMES = ("auto", "tcp", "ucx", "verbs", "softroce")
 
+
+def auto_order():
+    """Fastest first, as measured (bench/RESULTS.md): verbs on real RDMA ports;
+    ucx when the user configured it (UCX_TLS set, e.g. sm: 8.8 GB/s at 16 MiB);
+    else fabric's own tcp. Without UCX_TLS, UCX drops its shared-memory
+    transports (they cannot report a failed peer) and runs over its TCP lanes
+    at ~1.2 GB/s, slower than the tcp backend's ~5.3 GB/s."""
+    order = ["verbs"]
+    if os.environ.get("UCX_TLS"):
+        order.append("ucx")
+    order.append("tcp")
+    return tuple(order)
 _cache: dict[str, tuple] = {}
 
 
@@ -60,7 +72,7 @@ def get(name: str | None):
         raise BackendUnavailable(f"unknown fabric backend {name!r}; choose one of "
                                  f"{', '.join(NAMES)}. Backends here:\n{_explain()}")
     if key == "auto":
-        for candidate in AUTO_ORDER:
+        for candidate in auto_order():
             backend, _ = probe(candidate)
             if backend is not None:
                 return backend
