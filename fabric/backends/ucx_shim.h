@@ -4,6 +4,7 @@
 #ifndef FABRIC_UCX_SHIM_H
 #define FABRIC_UCX_SHIM_H
 
+#include <stdlib.h>
 #include <string.h>
 #include <ucp/api/ucp.h>
 
@@ -33,6 +34,7 @@ static inline ucs_status_t fab_ucx_init(ucp_context_h *context, ucp_worker_h *wo
 {
     ucp_params_t params;
     ucp_worker_params_t wparams;
+    ucp_config_t *config;
     ucs_status_t status;
 
     memset(&params, 0, sizeof(params));
@@ -40,7 +42,17 @@ static inline ucs_status_t fab_ucx_init(ucp_context_h *context, ucp_worker_h *wo
     params.features = UCP_FEATURE_AM | UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
     params.mt_workers_shared = 0;
     /* The user's UCX_* environment (UCX_TLS, UCX_NET_DEVICES, ...) is read here. */
-    status = ucp_init(&params, NULL, context);
+    status = ucp_config_read(NULL, NULL, &config);
+    if (status != UCS_OK)
+        return status;
+    /* UCX's TCP lanes retry a connect the peer reset (lost simultaneous-connect
+     * race, full accept queue) only 25 times, back to back; on a loaded 2-core
+     * host that budget runs out while the peer is merely slow to progress.
+     * Best effort: older UCX cannot set transport keys through UCP. */
+    if (getenv("UCX_TCP_MAX_CONN_RETRIES") == NULL)
+        (void)ucp_config_modify(config, "TCP_MAX_CONN_RETRIES", "255");
+    status = ucp_init(&params, config, context);
+    ucp_config_release(config);
     if (status != UCS_OK)
         return status;
     memset(&wparams, 0, sizeof(wparams));
