@@ -7,6 +7,7 @@ variables and per-Fabric keyword arguments, in increasing order of precedence.
 | chunk_size        | FABRIC_CHUNK_SIZE           | rendezvous messages are registered and pulled in chunks of this size |
 | chunks_in_flight  | FABRIC_CHUNKS_IN_FLIGHT     | chunks announced (sender) and read (receiver) ahead per message |
 | coalesce_limit    | FABRIC_COALESCE_LIMIT       | largest fabric message; small messages queued while the fabric is busy are packed up to this size |
+| coalesce          | FABRIC_COALESCE             | 1: pack small messages queued while the fabric is busy into one send; 0: one send per message (for measuring what coalescing gains) |
 | credits           | FABRIC_CREDITS              | receive buffers each endpoint offers its peer (flow control) |
 | recv_budget       | FABRIC_RECV_BUDGET          | bytes of not-yet-received messages an endpoint buffers before it stops returning credits |
 | send_buffers      | FABRIC_SEND_BUFFERS         | coalescing buffers per endpoint (bounds the sender's copies) |
@@ -41,6 +42,7 @@ KNOBS = {
     "chunk_size": ("size", 4096, 1 << 31),
     "chunks_in_flight": ("int", 1, 1024),
     "coalesce_limit": ("size", 1024, 1 << 30),
+    "coalesce": ("int", 0, 1),
     "credits": ("int", 4, 65536),
     "recv_budget": ("size", 0, 1 << 62),
     "send_buffers": ("int", 1, 1 << 20),
@@ -59,6 +61,7 @@ COMMON_DEFAULTS = {
     "chunk_size": 4 << 20,
     "chunks_in_flight": 2,
     "coalesce_limit": 65536 + 4096,
+    "coalesce": 1,
     "credits": 32,
     "recv_budget": 64 << 20,
     "send_buffers": 16,

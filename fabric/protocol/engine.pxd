@@ -18,6 +18,7 @@ cdef struct opts_t:
     double handshake_timeout
     double close_linger
     int progress_thread
+    int coalesce                # 0: one frame per fabric message (no packing)
     uint64_t native_min         # messages this large use the fabric's own rendezvous (0: never)
     int fault                   # test-only fault injection (FABRIC_FAULT_INJECT), 0 normally
 

@@ -527,6 +527,8 @@ cdef int frame_queue(ep_t* ep) noexcept nogil:
                 memcpy(room + off, op.segs[i].ptr, op.segs[i].length)
                 off += op.segs[i].length
             op_finish(ep, op, 0)
+            if not ep.w.opts.coalesce:
+                seal_data(ep)
         else:
             rc = start_rndv(ep, op)
             if rc < 0:
@@ -1682,6 +1684,7 @@ cdef class Worker:
         o.close_linger = float(options["close_linger"])
         o.progress_thread = int(options.get("progress_thread", 1))
         o.native_min = int(options.get("native_min", 0))
+        o.coalesce = int(options.get("coalesce", 1))
         # Test-only: make this Fabric announce forged keys or ranges, like a
         # broken peer would (tests/test_endpoint.py). Never set in production.
         fault = __import__("os").environ.get("FABRIC_FAULT_INJECT", "")

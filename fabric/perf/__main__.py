@@ -1,0 +1,5 @@
+import sys
+
+from fabric.perf.cli import main
+
+sys.exit(main())
