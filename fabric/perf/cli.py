@@ -111,9 +111,10 @@ class Progress:
 
 def spawn_peer(backend: str, knobs: dict, env: dict | None = None):
     """A server process on loopback with the same knobs; returns (proc, address)."""
+    from fabric.options import env_name
     cmd = [sys.executable, "-m", "fabric.perf", "--server", "127.0.0.1:0", "--backend", backend]
-    for k, v in knobs.items():
-        cmd += [f"--{k.replace('_', '-')}", str(v)]
+    env = dict(os.environ if env is None else env)
+    env.update({env_name(k): str(v) for k, v in knobs.items()})    # every knob, not only those with flags
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     address = proc.stdout.readline().strip()
     if not address:
