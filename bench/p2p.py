@@ -34,8 +34,9 @@ def parse_contender(spec):
     return backend, opts
 
 
-def start_server(kind, options=None):
+def start_server(kind, options=None, env_extra=None):
     env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE))
+    env.update(env_extra or {})
     for k, v in (options or {}).items():
         env["FABRIC_" + k.upper()] = v
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, "servers.py"), kind],

@@ -85,9 +85,18 @@ def serve_grpc():
             n += 1
         return b"k"
 
+    def pingpong(request_iterator, context):
+        for request in request_iterator:
+            yield request
+
+    def put(request, context):
+        return b"k"
+
     handler = grpc.method_handlers_generic_handler("bench.Bench", {
         "Echo": grpc.unary_unary_rpc_method_handler(echo),
         "Sink": grpc.stream_unary_rpc_method_handler(sink),
+        "PingPong": grpc.stream_stream_rpc_method_handler(pingpong),
+        "Put": grpc.unary_unary_rpc_method_handler(put),
     })
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")

@@ -33,12 +33,12 @@ def perftest(tool, size, extra=()):
 
 def fabric_runs(backend, lat_sizes, bw_sizes, rounds):
     import fabric
-    from fabric import perf
+    from fabric.perf import cli, measure
     fab = fabric.Fabric(backend)
-    proc, address = perf.spawn_peer(backend, {})
+    proc, address = cli.spawn_peer(backend, {})
     ep = fab.connect(address, timeout=120)
-    lat = {s: statistics.median(perf.run_lat(ep, s, 0.02)["p50_us"] for _ in range(rounds)) for s in lat_sizes}
-    bw = {s: statistics.median(perf.run_bw(ep, s, 0.02, 8)["MBps"] for _ in range(rounds)) for s in bw_sizes}
+    lat = {s: statistics.median(measure.run_lat(ep, s, 0.02)["p50_us"] for _ in range(rounds)) for s in lat_sizes}
+    bw = {s: statistics.median(measure.run_bw(ep, s, 0.02, 8)["MBps"] for _ in range(rounds)) for s in bw_sizes}
     ep.close()
     proc.kill()
     proc.wait()

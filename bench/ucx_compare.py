@@ -56,14 +56,14 @@ def ucx_perftest(test, size, iters, tls, port):
 def fabric_runs(sizes, tls, rounds, stream_size, stream_count):
     os.environ["UCX_TLS"] = tls
     import fabric
-    from fabric import perf
+    from fabric.perf import cli, measure
     fab = fabric.Fabric("ucx")
-    proc, address = perf.spawn_peer("ucx", {})
+    proc, address = cli.spawn_peer("ucx", {})
     ep = fab.connect(address, timeout=30)
     lat = {}
     for size in sizes:
-        lat[size] = statistics.median(perf.run_lat(ep, size, 0.3)["p50_us"] for _ in range(rounds))
-    bw = statistics.median(perf.run_bw(ep, stream_size, 0.3, 8)["MBps"] for _ in range(rounds))
+        lat[size] = statistics.median(measure.run_lat(ep, size, 0.3)["p50_us"] for _ in range(rounds))
+    bw = statistics.median(measure.run_bw(ep, stream_size, 0.3, 8)["MBps"] for _ in range(rounds))
     ep.close()
     proc.kill()
     proc.wait()

@@ -20,7 +20,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     os.environ["UCX_TLS"] = args.tls
     import fabric
-    from fabric import perf
+    from fabric.perf import cli, measure
     sizes = [int(s) for s in args.sizes.split(",")]
     runs = {}
     # UCX's own rendezvous gets each message whole (it pipelines internally);
@@ -28,7 +28,7 @@ def main(argv=None):
     for name, knobs in (("engine", {"eager_limit": 8192, "native_min": 0}),
                         ("ucx-own", {"eager_limit": 8192, "native_min": 1})):
         fab = fabric.Fabric("ucx", **knobs)
-        proc, address = perf.spawn_peer("ucx", knobs)
+        proc, address = cli.spawn_peer("ucx", knobs)
         runs[name] = (fab, proc, fab.connect(address, timeout=30))
     lat = {n: {s: [] for s in sizes} for n in runs}
     bw = {n: {s: [] for s in sizes} for n in runs}
@@ -36,8 +36,8 @@ def main(argv=None):
         for _ in range(args.rounds):
             for s in sizes:
                 for name, (fab, proc, ep) in runs.items():
-                    lat[name][s].append(perf.run_lat(ep, s, 0.1)["p50_us"])
-                    bw[name][s].append(perf.run_bw(ep, s, 0.1, 8)["MBps"])
+                    lat[name][s].append(measure.run_lat(ep, s, 0.1)["p50_us"])
+                    bw[name][s].append(measure.run_bw(ep, s, 0.1, 8)["MBps"])
         native_chunks = runs["ucx-own"][2].stats()["chunks_native"]
         engine_chunks = runs["engine"][2].stats()["chunks_native"]
     finally:

@@ -89,9 +89,9 @@ def protocol_knobs(protocol: str, knobs: dict) -> dict:
 class Progress:
     """One self-rewriting status line on a terminal; silent otherwise."""
 
-    def __init__(self, total: int, stream=sys.stderr):
-        self.total, self.done, self.stream = total, 0, stream
-        self.live = stream.isatty()
+    def __init__(self, total: int, stream=None):
+        self.total, self.done, self.stream = total, 0, stream or sys.stderr
+        self.live = self.stream.isatty()
         self.started = time.monotonic()
 
     def show(self, what: str):
@@ -109,13 +109,32 @@ class Progress:
             self.stream.flush()
 
 
-def spawn_peer(backend: str, knobs: dict, env: dict | None = None):
+def pin_cpus() -> tuple[set, set] | None:
+    """(this process's CPUs, the peer's CPUs) when there are at least two:
+    the scheduler otherwise places client and peer on the same or different
+    cores from one process pair to the next, which moves small-message
+    round trips by 30% and swamps the differences being measured."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    return {cpus[0]}, {cpus[1]}
+
+
+def pin_self():
+    pins = pin_cpus()
+    if pins:
+        os.sched_setaffinity(0, pins[0])
+
+
+def spawn_peer(backend: str, knobs: dict, env: dict | None = None, pin: bool = False):
     """A server process on loopback with the same knobs; returns (proc, address)."""
     from fabric.options import env_name
     cmd = [sys.executable, "-m", "fabric.perf", "--server", "127.0.0.1:0", "--backend", backend]
     env = dict(os.environ if env is None else env)
     env.update({env_name(k): str(v) for k, v in knobs.items()})    # every knob, not only those with flags
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    pins = pin_cpus() if pin else None
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=(lambda: os.sched_setaffinity(0, pins[1])) if pins else None)
     address = proc.stdout.readline().strip()
     if not address:
         proc.wait()
@@ -142,7 +161,7 @@ THRESHOLDS = ("eager_limit", "chunk_size", "chunks_in_flight", "coalesce_limit",
 class Run:
     """One backend with one protocol setting: a Fabric, its peer, an endpoint."""
 
-    def __init__(self, backend: str | None, protocol: str, knobs: dict, connect: str | None):
+    def __init__(self, backend: str | None, protocol: str, knobs: dict, connect: str | None, pin: bool = False):
         import fabric
         self.protocol = protocol
         self.knobs = protocol_knobs(protocol, knobs)
@@ -152,7 +171,7 @@ class Run:
         self.proc = None
         self.address = connect
         if connect is None:
-            self.proc, self.address = spawn_peer(self.backend, self.knobs)
+            self.proc, self.address = spawn_peer(self.backend, self.knobs, pin=pin)
         self.ep = self.fab.connect(self.address, timeout=30)
 
     def reconnect(self, **overrides):
@@ -186,9 +205,10 @@ class Run:
             self.proc.wait()
 
 
-def print_table(test: str, label: str, rows: list[dict], out=sys.stdout):
+def print_table(test: str, label: str, rows: list[dict], out=None):
     if not rows:
         return
+    out = out or sys.stdout
     if test == "lat":
         print(f"\n{label} lat{'':<4}{'size':>10} {'proto':>10} {'p50 us':>10} {'p99 us':>10} {'max us':>10}", file=out)
     elif test == "bw":
@@ -228,8 +248,10 @@ def measure_runs(args, tests, sizes, rpc_pairs, knobs) -> dict:
                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "command": ["fabric-perf"] + list(args.argv), "machine": machine_info(),
                "versions": versions(), "tests": tests, "runs": []}
+    if args.pin:
+        pin_self()
     for backend, protocol in itertools.product(backends, protocols):
-        run = Run(backend, protocol, knobs, args.connect)
+        run = Run(backend, protocol, knobs, args.connect, pin=args.pin)
         rec = run.describe()
         results["runs"].append(rec)
         print(f"fabric-perf: {run.label}, peer {run.address}, eager_limit {rec['thresholds']['eager_limit_effective']}, "
@@ -303,6 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--plot", metavar="FILE", help="write a PNG: latency and bandwidth against size, log axes")
     ap.add_argument("--from", dest="from_files", nargs="+", metavar="JSON",
                     help="do not measure: load earlier --json results (for --plot)")
+    ap.add_argument("--pin", action="store_true",
+                    help="pin this process and its loopback peer to two different CPUs (steadier figures)")
     ap.add_argument("--stream-rows", action="store_true", help="also print each row as it is measured")
     ap.add_argument("--tune", action="store_true", help="measure this host and write the tuning profile")
     ap.add_argument("--profile", metavar="FILE", help="--tune: where to write (default: see fabric.options)")

@@ -24,7 +24,7 @@ import statistics
 import sys
 
 from fabric.perf import measure
-from fabric.perf.cli import EAGER_MAX, machine_info, spawn_peer, versions
+from fabric.perf.cli import EAGER_MAX, machine_info, pin_self, spawn_peer, versions
 
 MARGIN = 0.05
 ROUNDS = 5
@@ -41,7 +41,7 @@ class Candidate:
         import fabric
         self.knobs = knobs
         self.fab = fabric.Fabric(backend, **knobs)
-        self.proc, address = spawn_peer(backend, knobs)
+        self.proc, address = spawn_peer(backend, knobs, pin=True)
         self.ep = self.fab.connect(address, timeout=30)
 
     def close(self):
@@ -53,10 +53,12 @@ class Candidate:
 
 
 def interleaved(backend: str, configs: dict, probe, rounds: int = ROUNDS, say=print, raw=None) -> dict:
-    """{name: median of probe(endpoint)} over `rounds` interleaved rounds;
+    """{name: median of probe(endpoint)} over `rounds` interleaved rounds
+    (this process on one CPU, every peer on another);
     probe returns a dict of figures, the median is taken per figure. If raw
     is a dict it receives every round's figures per name."""
     cands = {}
+    pin_self()
     try:
         for name, knobs in configs.items():
             cands[name] = Candidate(backend, knobs)

@@ -1,0 +1,150 @@
+"""The perf tool: argument handling, the JSON it writes, plots, the tuner's
+decision rule, and the model tables of the deep-learning replay."""
+import json
+import math
+import os
+import sys
+
+import pytest
+
+from fabric.perf import cli, tune
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import models  # noqa: E402
+
+
+@pytest.mark.parametrize("text,sizes", [
+    ("1-16", [1, 2, 4, 8, 16]),
+    ("3-16", [4, 8, 16]),
+    ("1K-4K", [1024, 2048, 4096]),
+    ("8,4K,1M", [8, 4096, 1 << 20]),
+    ("0,1", [0, 1]),
+    ("64M", [64 << 20]),
+])
+def test_sizes(text, sizes):
+    assert cli.parse_sizes(text) == sizes
+
+
+@pytest.mark.parametrize("text", ["", "16-1", "0-8", "x", "8,,y", "-5"])
+def test_bad_sizes_are_refused(text):
+    with pytest.raises(ValueError):
+        cli.parse_sizes(text)
+
+
+def test_rpc_pairs():
+    assert cli.parse_rpc(None, [8, 1024]) == [(64, 8), (64, 1024), (8, 64), (1024, 64)]
+    assert cli.parse_rpc("64:1M,4K:4K", []) == [(64, 1 << 20), (4096, 4096)]
+    with pytest.raises(ValueError):
+        cli.parse_rpc("64-1M", [])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["-t", "lat,nope"], "unknown test 'nope'"),
+    (["--protocol", "magic"], "unknown protocol 'magic'"),
+    (["--window", "0"], "--window must be at least 1"),
+    (["--scale", "0"], "--scale must be positive"),
+    (["-s", "16-1"], "bad size range"),
+    (["--eager-limit", "lots"], "eager_limit"),
+    (["--tune", "-b", "tcp,ucx"], "--tune takes one backend"),
+])
+def test_bad_arguments_exit_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_protocol_knobs():
+    assert cli.protocol_knobs("auto", {"chunk_size": 1 << 20}) == {"chunk_size": 1 << 20}
+    assert cli.protocol_knobs("eager", {})["eager_limit"] == cli.EAGER_MAX
+    assert cli.protocol_knobs("eager", {"eager_limit": 4096})["eager_limit"] == 4096
+    assert cli.protocol_knobs("rendezvous", {"eager_limit": 4096})["eager_limit"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_small_sweep_writes_json_and_plot(tmp_path, capsys):
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    rc = cli.main(["-b", "tcp", "-t", "lat,bw,rate,rpc", "-s", "8,64K", "--rpc", "64:64K",
+                   "--protocol", "auto,rendezvous", "--scale", "0.01", "--json", str(out), "--plot", str(png)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "tcp/auto lat" in printed and "tcp/rendezvous bw" in printed
+    doc = json.loads(out.read_text())
+    assert doc["tool"] == "fabric-perf" and doc["schema"] == cli.SCHEMA
+    assert {"host", "cpus", "python", "platform"} <= set(doc["machine"])
+    assert doc["versions"]["backends"]["tcp"]["available"] is True
+    assert [r["label"] for r in doc["runs"]] == ["tcp/auto", "tcp/rendezvous"]
+    auto, rndv = doc["runs"]
+    assert rndv["thresholds"]["eager_limit_effective"] == 0
+    assert auto["thresholds"]["eager_limit_effective"] >= 65536
+    assert [r["protocol"] for r in auto["lat"]] == ["eager", "eager"]
+    assert [r["protocol"] for r in rndv["lat"]] == ["rendezvous", "rendezvous"]
+    for run in doc["runs"]:
+        assert [r["size"] for r in run["lat"]] == [8, 65536]
+        assert all(0 < r["p50_us"] <= r["p99_us"] <= r["max_us"] for r in run["lat"])
+        assert all(r["MBps"] > 0 and r["iterations"] >= 8 for r in run["bw"])
+        assert [r["size"] for r in run["rate"]] == [8, 65536]
+        assert all(r["msgs_per_s"] > 0 and r["msgs_per_s_no_coalescing"] > 0 for r in run["rate"])
+        assert [(r["request"], r["response"]) for r in run["rpc"]] == [(64, 65536)]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # plotting earlier results together, without measuring
+    png2 = tmp_path / "merged.png"
+    assert cli.main(["--from", str(out), str(out), "--plot", str(png2)]) == 0
+    assert png2.stat().st_size > 1000
+
+
+def test_from_refuses_foreign_json(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text(json.dumps({"tool": "something else"}))
+    with pytest.raises(SystemExit, match="not a fabric-perf result"):
+        cli.main(["--from", str(bad), "--plot", str(tmp_path / "x.png")])
+
+
+def test_tuner_keeps_the_default_unless_a_candidate_clearly_wins():
+    score = (lambda r: r["x"])
+    # a 20% better candidate that wins every round is taken
+    raw = {"default": [{"x": 100}] * 5, "fast": [{"x": 120}] * 5}
+    assert tune.decide(raw, "default", score)[0] == "fast"
+    # within the margin: the default stays
+    raw = {"default": [{"x": 100}] * 5, "close": [{"x": 103}] * 5}
+    assert tune.decide(raw, "default", score)[0] == "default"
+    # a better median from one lucky round does not count
+    raw = {"default": [{"x": 100}, {"x": 100}, {"x": 100}, {"x": 100}, {"x": 100}],
+           "lucky": [{"x": 300}, {"x": 300}, {"x": 200}, {"x": 90}, {"x": 90}]}
+    assert tune.decide(raw, "default", score)[0] == "lucky"        # wins 3 of 5 rounds, median 200
+    raw["lucky"] = [{"x": 300}, {"x": 300}, {"x": 90}, {"x": 90}, {"x": 90}]
+    assert tune.decide(raw, "default", score)[0] == "default"      # wins 2 of 5
+    # lower is better (latencies)
+    raw = {"default": [{"x": 100}] * 3, "quick": [{"x": 50}] * 3}
+    assert tune.decide(raw, "default", score, higher_is_better=False)[0] == "quick"
+
+
+def test_tune_dry_run_needs_no_profile_and_refuses_profile_none(monkeypatch):
+    monkeypatch.setenv("FABRIC_PROFILE", "none")
+    with pytest.raises(SystemExit, match="FABRIC_PROFILE=none"):
+        tune.main("tcp", {}, profile=None, dry_run=False)
+
+
+@pytest.mark.parametrize("model", sorted(models.MODELS))
+def test_model_tables_match_published_parameter_counts(model):
+    assert models.parameter_count(model) == models.PUBLISHED_TOTALS[model]
+
+
+def test_model_tables_have_the_published_layer_structure():
+    assert len(models.tensors("resnet50")) == 161          # 53 conv + 53 bn x2 + fc x2
+    assert len(models.tensors("vgg16")) == 32              # 13 conv + 3 fc, weight and bias each
+    assert len(models.tensors("inception_v3")) == 378      # 94 conv + 94 bn x3 + dense x2
+    biggest = max(models.tensors("vgg16"), key=lambda t: math.prod(t[1]))
+    assert biggest == ("classifier.0.weight", (4096, 25088))
+    assert dict(models.tensors("resnet50"))["fc.weight"] == (1000, 2048)
+    assert dict(models.tensors("inception_v3"))["predictions/kernel"] == (2048, 1000)
+    with pytest.raises(ValueError, match="unknown model"):
+        models.tensors("alexnet")
+
+
+def test_size_classes():
+    assert models.size_class(4) == "<=4K"
+    assert models.size_class(4096) == "<=4K"
+    assert models.size_class(4097) == "4K-64K"
+    assert models.size_class(1 << 20) == "64K-1M"
+    assert models.size_class(400 << 20) == ">16M"
