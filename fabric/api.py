@@ -38,6 +38,20 @@ class Fabric:
         host, port = _parse_address(address, self.backend.name)
         return self._worker.connect(host, port, timeout)
 
+    def listen_stream(self, address: str = "127.0.0.1:0"):
+        """A StreamListener: accept() returns byte streams (fabric.stream)."""
+        from fabric.stream import StreamListener
+        return StreamListener(self.listen(address))
+
+    def connect_stream(self, address: str, timeout: float | None = None):
+        """A byte stream (fabric.stream.Stream) to a stream listener."""
+        from fabric.stream import Stream
+        return Stream(self.connect(address, timeout))
+
+    async def aconnect_stream(self, address: str, timeout: float | None = None):
+        from fabric.stream import Stream
+        return Stream(await self.aconnect(address, timeout))
+
     async def aconnect(self, address: str, timeout: float | None = None):
         """connect() for asyncio: the loop keeps running during set-up."""
         import asyncio
