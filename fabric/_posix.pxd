@@ -200,3 +200,6 @@ cdef inline double monotonic_now() noexcept nogil:
     cdef timespec ts
     clock_gettime(CLOCK_MONOTONIC, &ts)
     return <double>ts.tv_sec + <double>ts.tv_nsec * 1e-9
+
+cdef extern from "<sched.h>" nogil:
+    int sched_yield()
