@@ -1,0 +1,651 @@
+"""The client side of fabric.grpc: a grpc.Channel that generated stubs take
+unchanged, over a fabric byte stream (fabric+<backend>://host:port) or a plain
+TCP socket (host:port, for stock gRPC servers)."""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from concurrent import futures
+
+import grpc
+
+from fabric.grpc import _http2, _transport, _wire
+
+USER_AGENT = b"fabric-grpc/0.1"
+
+
+def _options_dict(options) -> dict:
+    return {k: v for k, v in (options or ())}
+
+
+class RpcError(grpc.RpcError, grpc.Call, grpc.Future):
+    """A finished call that did not end OK (what grpcio raises, same methods)."""
+
+    def __init__(self, code, details, initial_metadata=(), trailing_metadata=(), debug=""):
+        super().__init__()
+        self._code, self._details = code, details
+        self._initial, self._trailing, self._debug = initial_metadata, trailing_metadata, debug
+
+    def __str__(self):
+        return (f"<RpcError of RPC that terminated with:\n\tstatus = {self._code}\n"
+                f"\tdetails = \"{self._details}\"\n>")
+
+    __repr__ = __str__
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+    def initial_metadata(self):
+        return self._initial
+
+    def trailing_metadata(self):
+        return self._trailing
+
+    def debug_error_string(self):
+        return self._debug or f"{self._code}: {self._details}"
+
+    def is_active(self):
+        return False
+
+    def time_remaining(self):
+        return None
+
+    def cancel(self):
+        return False
+
+    def add_callback(self, callback):
+        return False
+
+    # grpc.Future
+    def cancelled(self):
+        return self._code == grpc.StatusCode.CANCELLED
+
+    def running(self):
+        return False
+
+    def done(self):
+        return True
+
+    def result(self, timeout=None):
+        raise self
+
+    def exception(self, timeout=None):
+        return self
+
+    def traceback(self, timeout=None):
+        return None
+
+    def add_done_callback(self, fn):
+        fn(self)
+
+
+class _Call(grpc.Call, grpc.Future):
+    """One RPC in flight (client side): the HTTP/2 stream, its status, and
+    the grpc.Call / grpc.Future / response-iterator faces grpcio gives it."""
+
+    def __init__(self, channel, method: str, deserializer, timeout, metadata, wait_for_ready=None):
+        self._channel = channel
+        self._method = method
+        self._deserialize = deserializer
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._timeout = timeout
+        self._metadata = metadata
+        self._code = None
+        self._details = ""
+        self._initial = None
+        self._trailing = ()
+        self._callbacks = []
+        self._done_callbacks = []
+        self._state_lock = threading.Lock()
+        self._done = threading.Event()
+        self._result = None
+        self._stream = None
+        self._conn = None
+        self._wait_for_ready = wait_for_ready
+
+    # -- starting
+    def _start(self, end_stream: bool):
+        headers = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", self._method.encode()),
+                   (b":authority", self._channel._authority), (b"te", b"trailers"),
+                   (b"content-type", _wire.CONTENT_TYPE), (b"user-agent", USER_AGENT),
+                   (b"grpc-accept-encoding", b"identity")]
+        if self._timeout is not None:
+            headers.append((b"grpc-timeout", _wire.encode_timeout(max(self._deadline - time.monotonic(), 0))))
+        try:
+            headers.extend(_wire.metadata_to_headers(self._metadata))
+        except ValueError as e:
+            self._finish(grpc.StatusCode.INTERNAL, str(e))
+            return False
+        try:
+            self._conn = self._channel._connection(self._deadline, self._wait_for_ready)
+            self._stream = self._conn.open_call(headers, end_stream=end_stream)
+        except (_http2.ConnectionFailed, OSError, Exception) as e:
+            if isinstance(e, TimeoutError) or (self._deadline and time.monotonic() >= self._deadline):
+                self._finish(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            else:
+                self._finish(grpc.StatusCode.UNAVAILABLE, f"failed to connect to {self._channel._target}: {e}")
+            return False
+        if self._deadline is not None:
+            self._channel._timers.schedule(self._deadline, self._on_deadline)
+        return True
+
+    def _on_deadline(self):
+        if not self._done.is_set():
+            self._abort(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+    def _abort(self, code, details):
+        """End the call locally (deadline, cancel, client-side error) and reset its stream."""
+        if self._finish(code, details) and self._stream is not None:
+            self._conn.reset(self._stream)
+
+    def _finish(self, code, details, trailing=None) -> bool:
+        with self._state_lock:
+            if self._code is not None:
+                return False
+            self._code, self._details = code, details
+            if trailing is not None:
+                self._trailing = trailing
+            callbacks, self._callbacks = self._callbacks, []
+            done_callbacks, self._done_callbacks = self._done_callbacks, []
+        self._done.set()
+        if self._stream is not None:
+            with self._stream.cond:
+                self._stream.cond.notify_all()
+            self._conn.forget(self._stream)
+        for cb in callbacks:
+            try:
+                cb()
+            except Exception:
+                pass
+        for cb in done_callbacks:
+            try:
+                cb(self)
+            except Exception:
+                pass
+        return True
+
+    # -- sending
+    def _send(self, request, serializer, end_stream: bool):
+        max_send = self._channel._max_send
+        try:
+            data = serializer(request) if serializer else request
+        except Exception as e:
+            self._abort(grpc.StatusCode.INTERNAL, f"Exception serializing request: {e!r}")
+            return False
+        n = memoryview(data).nbytes
+        if max_send >= 0 and n > max_send:
+            self._abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"Sent message larger than max ({n} vs. {max_send})")
+            return False
+        try:
+            self._conn.send_message(self._stream, data, end_stream=end_stream, deadline=self._deadline)
+        except TimeoutError:
+            self._abort(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            return False
+        except _http2.ConnectionFailed:
+            self._settle()       # the server may have ended the call already (status in trailers)
+            return False
+        return True
+
+    def _close_send(self):
+        try:
+            self._conn.end_stream(self._stream)
+        except _http2.ConnectionFailed:
+            pass
+
+    def _consume_requests(self, iterator, serializer):
+        """Send every request of an iterator, then half-close (own thread)."""
+        try:
+            for request in iterator:
+                if self._code is not None:
+                    return
+                if not self._send(request, serializer, False):
+                    return
+        except Exception as e:
+            self._abort(grpc.StatusCode.UNKNOWN, f"Exception iterating requests: {e!r}")
+            return
+        if self._code is None:
+            self._close_send()
+
+    # -- receiving
+    def _settle(self):
+        """(no lock) If the stream has ended or failed, record the status."""
+        s = self._stream
+        if s is None or self._code is not None:
+            return
+        with s.cond:
+            failure, reset, ended, trailers, headers = s.failure, s.reset_code, s.ended, s.trailers, s.headers
+            pending = bool(s.messages)
+        if failure is not None:
+            if isinstance(failure, _wire.WireError):
+                self._abort(failure.code, failure.details)
+            else:
+                self._finish(grpc.StatusCode.UNAVAILABLE, f"connection lost: {failure}")
+        elif ended and not pending:
+            self._finish_from_headers(headers, trailers)
+        elif reset is not None:
+            self._finish(grpc.StatusCode.CANCELLED if reset == 8 else grpc.StatusCode.INTERNAL,
+                         f"Received RST_STREAM with error code {int(reset)}")
+
+    def _finish_from_headers(self, headers, trailers):
+        hdr = dict(headers or ())
+        if trailers is None:
+            # Trailers-Only: the status is in the only HEADERS frame
+            trailers, headers = headers, None
+            if self._initial is None:
+                self._initial = ()
+        status = hdr.get(b":status", b"200")
+        if status != b"200":
+            code = _wire.status_from_http(int(status))
+            self._finish(code, f"Received http2 header with status: {int(status)}")
+            return
+        tr = dict(trailers or ())
+        code, details = _wire.status_of(tr)
+        self._finish(code, details, trailing=_wire.headers_to_metadata(trailers or ()))
+
+    def _next_message(self):
+        """The next response message, or None when the call is over."""
+        s = self._stream
+        if s is None:
+            return None
+        with s.cond:
+            ok = s.wait(lambda: bool(s.messages) or s.ended or self._code is not None, self._deadline)
+            self._capture_initial(s)
+            if s.messages and self._code is None:
+                msg = s.take_message()
+            else:
+                msg = None
+        if msg is not None:
+            return msg
+        if not ok:
+            self._on_deadline()
+        self._settle()
+        return None
+
+    def _capture_initial(self, s):
+        """(stream lock held) Initial metadata once the response headers are
+        in; a Trailers-Only response (status in its only HEADERS) has none."""
+        if self._initial is None and s.headers is not None:
+            hdr = dict(s.headers)
+            self._initial = () if b"grpc-status" in hdr else _wire.headers_to_metadata(s.headers)
+
+    def _deserialize_message(self, msg):
+        try:
+            return self._deserialize(msg if not isinstance(msg, memoryview) else msg.tobytes()) \
+                if self._deserialize else bytes(msg)
+        except Exception as e:
+            self._abort(grpc.StatusCode.INTERNAL, f"Exception deserializing response! {e!r}")
+            raise self._error() from None
+
+    def _wait_done(self, timeout=None):
+        s = self._stream
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._code is None:
+            if s is None:
+                break
+            with s.cond:
+                ok = s.wait(lambda: s.ended or self._code is not None,
+                            min(x for x in (deadline, self._deadline) if x is not None)
+                            if deadline or self._deadline else None)
+            self._settle()
+            if not ok:
+                if self._deadline and time.monotonic() >= self._deadline:
+                    self._on_deadline()
+                elif deadline and time.monotonic() >= deadline:
+                    raise grpc.FutureTimeoutError()
+        return self._code
+
+    def _error(self):
+        return RpcError(self._code, self._details, self._initial or (), self._trailing)
+
+    def _unary_response(self):
+        """Wait for the single response of a unary-response call."""
+        msg = self._next_message()
+        if msg is None:
+            if self._code is None:
+                self._wait_done()
+            if self._code == grpc.StatusCode.OK:
+                self._abort(grpc.StatusCode.INTERNAL, "No message returned for unary call")
+            raise self._error()
+        response = self._deserialize_message(msg)
+        extra = self._next_message()
+        if extra is not None:
+            self._abort(grpc.StatusCode.INTERNAL, "Too many responses for unary call")
+        if self._code is None:
+            self._wait_done()
+        if self._code != grpc.StatusCode.OK:
+            raise self._error()
+        self._result = response
+        return response
+
+    # -- grpc.Call / RpcContext
+    def initial_metadata(self):
+        s = self._stream
+        if self._initial is None and s is not None:
+            with s.cond:
+                s.wait(lambda: s.headers is not None or s.ended or self._code is not None, self._deadline)
+                self._capture_initial(s)
+        return self._initial or ()
+
+    def trailing_metadata(self):
+        self._wait_done()
+        return self._trailing
+
+    def code(self):
+        self._wait_done()
+        return self._code
+
+    def details(self):
+        self._wait_done()
+        return self._details
+
+    def debug_error_string(self):
+        return f"{self._code}: {self._details}"
+
+    def is_active(self):
+        return self._code is None
+
+    def time_remaining(self):
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def cancel(self):
+        if self._code is not None:
+            return False
+        self._abort(grpc.StatusCode.CANCELLED, "Locally cancelled by application!")
+        return True
+
+    def add_callback(self, callback):
+        with self._state_lock:
+            if self._code is None:
+                self._callbacks.append(callback)
+                return True
+        return False
+
+    # -- grpc.Future
+    def cancelled(self):
+        return self._code == grpc.StatusCode.CANCELLED
+
+    def running(self):
+        return self._code is None
+
+    def done(self):
+        return self._code is not None
+
+    def result(self, timeout=None):
+        if not self._done.wait(timeout):
+            raise grpc.FutureTimeoutError()
+        if self._code == grpc.StatusCode.OK:
+            return self._result
+        if self._code == grpc.StatusCode.CANCELLED:
+            raise grpc.FutureCancelledError()
+        raise self._error()
+
+    def exception(self, timeout=None):
+        if not self._done.wait(timeout):
+            raise grpc.FutureTimeoutError()
+        if self._code == grpc.StatusCode.OK:
+            return None
+        if self._code == grpc.StatusCode.CANCELLED:
+            raise grpc.FutureCancelledError()
+        return self._error()
+
+    def traceback(self, timeout=None):
+        self.exception(timeout)
+        return None
+
+    def add_done_callback(self, fn):
+        with self._state_lock:
+            if self._code is None:
+                self._done_callbacks.append(fn)
+                return
+        fn(self)
+
+    # -- response iterator (unary_stream / stream_stream)
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        msg = self._next_message()
+        if msg is not None:
+            return self._deserialize_message(msg)
+        if self._code is None:
+            self._wait_done()
+        if self._code == grpc.StatusCode.OK:
+            raise StopIteration
+        raise self._error()
+
+    next = __next__
+
+    def __repr__(self):
+        return f"<fabric.grpc call {self._method} code={self._code}>"
+
+
+class _MultiCallable:
+    def __init__(self, channel, method, request_serializer, response_deserializer):
+        self._channel = channel
+        self._method = method
+        self._serialize = request_serializer
+        self._deserialize = response_deserializer
+
+    def _new_call(self, timeout, metadata, wait_for_ready):
+        return _Call(self._channel, self._method, self._deserialize, timeout, metadata, wait_for_ready)
+
+
+class UnaryUnaryMultiCallable(_MultiCallable, grpc.UnaryUnaryMultiCallable):
+    def _invoke(self, request, timeout, metadata, wait_for_ready):
+        call = self._new_call(timeout, metadata, wait_for_ready)
+        if call._start(end_stream=False) and call._send(request, self._serialize, end_stream=True):
+            pass
+        return call
+
+    def __call__(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
+                 compression=None):
+        return self.with_call(request, timeout, metadata, credentials, wait_for_ready, compression)[0]
+
+    def with_call(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
+                  compression=None):
+        call = self._invoke(request, timeout, metadata, wait_for_ready)
+        if call._code is not None:
+            raise call._error()
+        return call._unary_response(), call
+
+    def future(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
+               compression=None):
+        call = self._invoke(request, timeout, metadata, wait_for_ready)
+        if call._code is None:
+            self._channel._pool.submit(_complete_unary, call)
+        return call
+
+
+def _complete_unary(call):
+    try:
+        call._unary_response()
+    except grpc.RpcError:
+        pass
+
+
+class UnaryStreamMultiCallable(_MultiCallable, grpc.UnaryStreamMultiCallable):
+    def __call__(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
+                 compression=None):
+        call = self._new_call(timeout, metadata, wait_for_ready)
+        if call._start(end_stream=False):
+            call._send(request, self._serialize, end_stream=True)
+        return call
+
+
+class StreamUnaryMultiCallable(_MultiCallable, grpc.StreamUnaryMultiCallable):
+    def _invoke(self, request_iterator, timeout, metadata, wait_for_ready):
+        call = self._new_call(timeout, metadata, wait_for_ready)
+        if call._start(end_stream=False):
+            threading.Thread(target=call._consume_requests, args=(request_iterator, self._serialize),
+                             daemon=True, name="fabric-grpc-requests").start()
+        return call
+
+    def __call__(self, request_iterator, timeout=None, metadata=None, credentials=None,
+                 wait_for_ready=None, compression=None):
+        return self.with_call(request_iterator, timeout, metadata, credentials, wait_for_ready,
+                              compression)[0]
+
+    def with_call(self, request_iterator, timeout=None, metadata=None, credentials=None,
+                  wait_for_ready=None, compression=None):
+        call = self._invoke(request_iterator, timeout, metadata, wait_for_ready)
+        if call._code is not None:
+            raise call._error()
+        return call._unary_response(), call
+
+    def future(self, request_iterator, timeout=None, metadata=None, credentials=None,
+               wait_for_ready=None, compression=None):
+        call = self._invoke(request_iterator, timeout, metadata, wait_for_ready)
+        if call._code is None:
+            self._channel._pool.submit(_complete_unary, call)
+        return call
+
+
+class StreamStreamMultiCallable(_MultiCallable, grpc.StreamStreamMultiCallable):
+    def __call__(self, request_iterator, timeout=None, metadata=None, credentials=None,
+                 wait_for_ready=None, compression=None):
+        call = self._new_call(timeout, metadata, wait_for_ready)
+        if call._start(end_stream=False):
+            threading.Thread(target=call._consume_requests, args=(request_iterator, self._serialize),
+                             daemon=True, name="fabric-grpc-requests").start()
+        return call
+
+
+class _Timers:
+    """One thread that fires call deadlines."""
+
+    def __init__(self):
+        import heapq
+        self._heap = []
+        self._push, self._pop = heapq.heappush, heapq.heappop
+        self._cond = threading.Condition()
+        self._seq = 0
+        self._thread = None
+        self._closed = False
+
+    def schedule(self, when: float, fn):
+        with self._cond:
+            if self._closed:
+                return
+            self._seq += 1
+            self._push(self._heap, (when, self._seq, fn))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True, name="fabric-grpc-deadlines")
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self):
+        while True:
+            with self._cond:
+                while not self._closed and (not self._heap or self._heap[0][0] > time.monotonic()):
+                    self._cond.wait(None if not self._heap else self._heap[0][0] - time.monotonic())
+                if self._closed:
+                    return
+                _, _, fn = self._pop(self._heap)
+            try:
+                fn()
+            except Exception:
+                pass
+
+    def close(self):
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+
+class Channel(grpc.Channel):
+    """fabric.grpc.insecure_channel(target, options=None): a grpc.Channel.
+
+    target: host:port (plain TCP, HTTP/2 as any gRPC peer speaks it) or
+    fabric+<backend>://host:port (tcp, ucx, verbs; fabric://host:port picks
+    the backend as fabric.Fabric does). Options understood:
+    grpc.max_send_message_length (default unlimited), grpc.max_receive_message_length
+    (default 4 MiB), grpc.default_authority; others are accepted and ignored.
+    """
+
+    def __init__(self, target: str, options=None, compression=None, fabric=None):
+        _transport.parse_target(target)            # fail early on a bad target
+        opts = _options_dict(options)
+        self._target = target
+        self._fabric = fabric
+        self._max_send = int(opts.get("grpc.max_send_message_length", -1))
+        self._max_receive = int(opts.get("grpc.max_receive_message_length", _wire.DEFAULT_MAX_RECEIVE))
+        backend, host, port = _transport.parse_target(target)
+        self._authority = str(opts.get("grpc.default_authority", f"{host}:{port}")).encode()
+        self._conn = None
+        self._conn_lock = threading.Lock()
+        self._closed = False
+        self._timers = _Timers()
+        self._pool = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="fabric-grpc-future")
+        self._subscribers = []
+
+    def _connection(self, deadline=None, wait_for_ready=None) -> _http2.Connection:
+        with self._conn_lock:
+            if self._closed:
+                raise _http2.ConnectionFailed("Channel closed!")
+            conn = self._conn
+            if conn is not None and conn.alive:
+                return conn
+            timeout = None if deadline is None else max(deadline - time.monotonic(), 0.001)
+            stream = _transport.open_stream(self._target, timeout if timeout is not None else 20.0, self._fabric)
+            self._conn = _http2.Connection(stream, client_side=True, max_receive=self._max_receive)
+            for cb in list(self._subscribers):
+                self._pool.submit(cb, grpc.ChannelConnectivity.READY)
+            return self._conn
+
+    def unary_unary(self, method, request_serializer=None, response_deserializer=None,
+                    _registered_method=False):
+        return UnaryUnaryMultiCallable(self, method, request_serializer, response_deserializer)
+
+    def unary_stream(self, method, request_serializer=None, response_deserializer=None,
+                     _registered_method=False):
+        return UnaryStreamMultiCallable(self, method, request_serializer, response_deserializer)
+
+    def stream_unary(self, method, request_serializer=None, response_deserializer=None,
+                     _registered_method=False):
+        return StreamUnaryMultiCallable(self, method, request_serializer, response_deserializer)
+
+    def stream_stream(self, method, request_serializer=None, response_deserializer=None,
+                      _registered_method=False):
+        return StreamStreamMultiCallable(self, method, request_serializer, response_deserializer)
+
+    def subscribe(self, callback, try_to_connect=False):
+        self._subscribers.append(callback)
+        conn = self._conn
+        if conn is not None and conn.alive:
+            self._pool.submit(callback, grpc.ChannelConnectivity.READY)
+        elif try_to_connect:
+            def connect():
+                try:
+                    self._connection(time.monotonic() + 20)
+                except Exception:
+                    callback(grpc.ChannelConnectivity.TRANSIENT_FAILURE)
+            self._pool.submit(connect)
+        else:
+            self._pool.submit(callback, grpc.ChannelConnectivity.IDLE)
+
+    def unsubscribe(self, callback):
+        try:
+            self._subscribers.remove(callback)
+        except ValueError:
+            pass
+
+    def close(self):
+        with self._conn_lock:
+            self._closed = True
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+        self._timers.close()
+        self._pool.shutdown(wait=False)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False

@@ -1,0 +1,396 @@
+"""One HTTP/2 connection over a byte stream, for gRPC calls (h2 does the
+HTTP/2 state machine, HPACK and flow-control bookkeeping).
+
+Threads: a reader thread per connection reads the byte stream *without*
+holding the connection lock (so a peer's large write is always taken, even
+while we are writing) and feeds h2 under the lock. Bytes h2 produces are
+queued in order under the lock and written by whoever holds the send lock; the
+reader never waits for the send lock (if it is held, the holder writes the
+reader's bytes too), so two peers writing large messages to each other at once
+cannot deadlock. Application threads wait on per-call conditions.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import grpc
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import h2.settings
+
+from fabric import errors
+from fabric.grpc import _wire
+
+STREAM_WINDOW = 64 << 20                 # per-stream receive window we offer
+CONNECTION_WINDOW = 256 << 20            # connection receive window we offer
+MAX_FRAME = (1 << 24) - 1                # largest frame we accept (HTTP/2 maximum)
+QUEUED_HIGH_WATER = 16 << 20             # unread complete messages per call before we stop opening its window
+MAX_CONCURRENT_STREAMS = 1000
+
+
+class ConnectionFailed(Exception):
+    """The HTTP/2 connection (or its byte stream) is gone."""
+
+
+class CallStream:
+    """What one HTTP/2 stream of a call has received, and its send side."""
+
+    def __init__(self, conn: "Connection", stream_id: int, max_receive: int):
+        self.conn = conn
+        self.id = stream_id
+        self.cond = threading.Condition(conn.lock)
+        self.headers = None                 # initial headers (list of pairs)
+        self.trailers = None                # trailers (list of pairs)
+        self.messages = collections.deque()
+        self.queued_bytes = 0
+        self.unacked = 0                    # received DATA not yet returned to the peer's window
+        self.ended = False                  # END_STREAM received
+        self.reset_code = None              # RST_STREAM received (or sent)
+        self.failure = None                 # connection lost, protocol error, oversized message
+        self.assembler = _wire.MessageAssembler(max_receive)
+        self.on_event = None                # optional callback(CallStream), called without the lock
+        self.local_closed = False
+
+    # -- receive side (application threads)
+    def wait(self, predicate, deadline: float | None) -> bool:
+        """Wait (lock held by caller) until predicate() or an ending; False on deadline."""
+        while not predicate():
+            if self.failure is not None or self.reset_code is not None:
+                return True
+            if deadline is None:
+                self.cond.wait()
+            else:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.cond.wait(left)
+        return True
+
+    def take_message(self):
+        """Pop one message (lock held); reopen the window if we were holding it."""
+        msg = self.messages.popleft()
+        self.queued_bytes -= len(msg)
+        if self.unacked and self.queued_bytes <= QUEUED_HIGH_WATER:
+            self.conn.ack(self)
+        return msg
+
+
+class Connection:
+    def __init__(self, stream, client_side: bool, max_receive: int = _wire.DEFAULT_MAX_RECEIVE,
+                 on_request=None, on_close=None, name: str = "fabric.grpc"):
+        self.stream = stream
+        self.client_side = client_side
+        self.max_receive = max_receive
+        self.on_request = on_request
+        self.on_close = on_close
+        self.lock = threading.Lock()
+        self.send_lock = threading.Lock()
+        self.window_cond = threading.Condition(self.lock)
+        self.pending = []
+        self.calls: dict[int, CallStream] = {}
+        self.dead = None                    # reason, once failed
+        self.goaway_last_stream = None
+        config = h2.config.H2Configuration(client_side=client_side, header_encoding=None)
+        self.h2 = h2.connection.H2Connection(config)
+        with self.lock:
+            self.h2.initiate_connection()
+            self.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
+                                     h2.settings.SettingCodes.MAX_FRAME_SIZE: MAX_FRAME,
+                                     h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS,
+                                     h2.settings.SettingCodes.ENABLE_PUSH: 0}
+                                    if client_side else
+                                    {h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
+                                     h2.settings.SettingCodes.MAX_FRAME_SIZE: MAX_FRAME,
+                                     h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS})
+            self.h2.increment_flow_control_window(CONNECTION_WINDOW - 65535)
+            self.pending.append(self.h2.data_to_send())
+        self.flush(block=True)
+        self.reader = threading.Thread(target=self._read_loop, name=f"{name}-reader", daemon=True)
+        self.reader.start()
+
+    # ------------------------------------------------------------ writing
+    def flush(self, block: bool) -> None:
+        """Write queued bytes in order. block=False: leave them to the
+        current writer if there is one (the reader thread uses this)."""
+        if not self.send_lock.acquire(blocking=block):
+            return
+        held = True
+        try:
+            while True:
+                with self.lock:
+                    items = [p for p in self.pending if p]
+                    self.pending = []
+                    if not items:
+                        self.send_lock.release()   # under the lock: a racing appender sees it free
+                        held = False
+                        return
+                self.stream.write(items)
+        except errors.FabricError as e:
+            self._fail(f"write failed: {e}")
+            if block:
+                raise ConnectionFailed(str(e)) from None
+        finally:
+            if held:
+                self.send_lock.release()
+
+    def _queue(self) -> None:
+        """(lock held) Queue what h2 has produced."""
+        data = self.h2.data_to_send()
+        if data:
+            self.pending.append(data)
+
+    def ack(self, call: CallStream) -> None:
+        """(lock held) Return received bytes of call to the peer's windows."""
+        n, call.unacked = call.unacked, 0
+        if n and self.dead is None:
+            try:
+                self.h2.acknowledge_received_data(n, call.id)
+            except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+                pass            # the stream is gone; h2 has settled the connection window
+            self._queue()
+
+    # ------------------------------------------------------------ calls
+    def _check_alive(self):
+        if self.dead is not None:
+            raise ConnectionFailed(self.dead)
+
+    def open_call(self, headers, end_stream: bool = False) -> CallStream:
+        """Client: a new stream with its request headers sent."""
+        with self.lock:
+            while True:
+                self._check_alive()
+                if self.goaway_last_stream is not None:
+                    raise ConnectionFailed("the server is going away (GOAWAY)")
+                if self.h2.open_outbound_streams < self.h2.remote_settings.max_concurrent_streams:
+                    break
+                self.window_cond.wait(1.0)
+            sid = self.h2.get_next_available_stream_id()
+            call = CallStream(self, sid, self.max_receive)
+            self.calls[sid] = call
+            self.h2.send_headers(sid, headers, end_stream=end_stream)
+            self._queue()
+        self.flush(block=True)
+        return call
+
+    def send_headers(self, call: CallStream, headers, end_stream: bool = False) -> None:
+        with self.lock:
+            self._check_call(call)
+            self.h2.send_headers(call.id, headers, end_stream=end_stream)
+            if end_stream:
+                call.local_closed = True
+            self._queue()
+        self.flush(block=True)
+
+    def _check_call(self, call: CallStream):
+        self._check_alive()
+        if call.reset_code is not None:
+            raise ConnectionFailed(f"stream {call.id} was reset ({call.reset_code})")
+        if call.local_closed:
+            raise ConnectionFailed(f"stream {call.id} is already closed for sending")
+
+    def send_message(self, call: CallStream, payload, end_stream: bool = False,
+                     deadline: float | None = None) -> None:
+        """A length-prefixed gRPC message, cut to the peer's windows and frame size."""
+        view = memoryview(payload).cast("B") if not isinstance(payload, memoryview) else payload.cast("B")
+        pieces = [memoryview(_wire.prefix(view.nbytes)), view]
+        for i, piece in enumerate(pieces):
+            last = i == len(pieces) - 1
+            while piece.nbytes or (last and end_stream):
+                with self.lock:
+                    while True:
+                        self._check_call(call)
+                        window = self.h2.local_flow_control_window(call.id)
+                        if window > 0 or piece.nbytes == 0:
+                            break
+                        left = None if deadline is None else deadline - time.monotonic()
+                        if left is not None and left <= 0:
+                            raise TimeoutError("deadline exceeded while waiting for flow control")
+                        self.window_cond.wait(left)
+                    n = min(window, self.h2.max_outbound_frame_size, piece.nbytes)
+                    done = n == piece.nbytes
+                    self.h2.send_data(call.id, piece[:n].tobytes() if n else b"",
+                                      end_stream=bool(last and end_stream and done))
+                    if last and end_stream and done:
+                        call.local_closed = True
+                    self._queue()
+                self.flush(block=True)
+                piece = piece[n:]
+                if done:
+                    break
+
+    def end_stream(self, call: CallStream) -> None:
+        with self.lock:
+            self._check_call(call)
+            self.h2.end_stream(call.id)
+            call.local_closed = True
+            self._queue()
+        self.flush(block=True)
+
+    def reset(self, call: CallStream, code=h2.errors.ErrorCodes.CANCEL) -> None:
+        """RST_STREAM (cancellation); quiet if the stream is already gone."""
+        with self.lock:
+            if call.reset_code is None:
+                call.reset_code = code
+            if self.dead is None:
+                try:
+                    self.h2.reset_stream(call.id, error_code=code)
+                    self._queue()
+                except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError, KeyError):
+                    pass
+            self.calls.pop(call.id, None)
+            call.cond.notify_all()
+            self.window_cond.notify_all()
+        try:
+            self.flush(block=True)
+        except ConnectionFailed:
+            pass
+
+    def forget(self, call: CallStream) -> None:
+        with self.lock:
+            self.calls.pop(call.id, None)
+
+    # ------------------------------------------------------------ reading
+    def _read_loop(self):
+        try:
+            while True:
+                data = self.stream.read_message()
+                if data is None:
+                    self._fail("the peer closed the connection")
+                    return
+                callbacks = []
+                with self.lock:
+                    try:
+                        events = self.h2.receive_data(data)
+                    except h2.exceptions.ProtocolError as e:
+                        self._queue()
+                        self.dead = f"HTTP/2 protocol error from the peer: {e}"
+                        events = []
+                    for ev in events:
+                        self._handle(ev, callbacks)
+                    self._queue()
+                for cb in callbacks:
+                    cb()
+                self.flush(block=False)
+                if self.dead is not None:
+                    self._fail(self.dead)
+                    return
+        except errors.FabricError as e:
+            self._fail(f"read failed: {e}")
+        except Exception as e:  # pragma: no cover - a bug; fail loudly, not silently
+            self._fail(f"internal error in the HTTP/2 reader: {e!r}")
+            raise
+
+    def _handle(self, ev, callbacks):
+        """(lock held) One h2 event."""
+        E = h2.events
+        if isinstance(ev, E.DataReceived):
+            call = self.calls.get(ev.stream_id)
+            if call is None or call.failure is not None:
+                if ev.flow_controlled_length:
+                    try:
+                        self.h2.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+                    except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+                        pass
+                return
+            call.unacked += ev.flow_controlled_length
+            try:
+                for msg in call.assembler.feed(ev.data):
+                    call.messages.append(msg)
+                    call.queued_bytes += len(msg)
+            except _wire.WireError as e:
+                call.failure = e
+                callbacks.append(lambda c=call: self.reset(c, h2.errors.ErrorCodes.CANCEL))
+            if call.queued_bytes <= QUEUED_HIGH_WATER:
+                self.ack(call)
+            self._notify(call, callbacks)
+        elif isinstance(ev, E.RequestReceived):
+            call = CallStream(self, ev.stream_id, self.max_receive)
+            call.headers = ev.headers
+            self.calls[ev.stream_id] = call
+            if ev.stream_ended is not None:
+                call.ended = True
+            if self.on_request is not None:
+                callbacks.append(lambda c=call: self.on_request(self, c))
+        elif isinstance(ev, E.ResponseReceived):
+            call = self.calls.get(ev.stream_id)
+            if call is not None:
+                call.headers = ev.headers
+                self._notify(call, callbacks)
+        elif isinstance(ev, E.TrailersReceived):
+            call = self.calls.get(ev.stream_id)
+            if call is not None:
+                call.trailers = ev.headers
+                self._notify(call, callbacks)
+        elif isinstance(ev, E.StreamEnded):
+            call = self.calls.get(ev.stream_id)
+            if call is not None:
+                call.ended = True
+                if call.assembler.partial and call.failure is None:
+                    call.failure = _wire.WireError(grpc.StatusCode.INTERNAL, "stream ended inside a message")
+                self._notify(call, callbacks)
+            self.window_cond.notify_all()
+        elif isinstance(ev, E.StreamReset):
+            call = self.calls.pop(ev.stream_id, None)
+            if call is not None:
+                call.reset_code = ev.error_code
+                self._notify(call, callbacks)
+            self.window_cond.notify_all()
+        elif isinstance(ev, (E.WindowUpdated, E.RemoteSettingsChanged)):
+            self.window_cond.notify_all()
+        elif isinstance(ev, E.ConnectionTerminated):
+            self.goaway_last_stream = ev.last_stream_id if ev.last_stream_id is not None else 0
+            for sid, call in list(self.calls.items()):
+                if self.client_side and sid > self.goaway_last_stream:
+                    call.failure = ConnectionFailed("the server went away (GOAWAY) before this call started")
+                    self._notify(call, callbacks)
+            if ev.error_code:
+                self.dead = f"the peer ended the connection (GOAWAY {ev.error_code!r})"
+            self.window_cond.notify_all()
+
+    def _notify(self, call, callbacks):
+        call.cond.notify_all()
+        if call.on_event is not None:
+            callbacks.append(lambda c=call: c.on_event(c))
+
+    def _fail(self, reason: str):
+        callbacks = []
+        with self.lock:
+            first = self.dead is None or not getattr(self, "_failed", False)
+            self._failed = True
+            if self.dead is None:
+                self.dead = reason
+            for call in list(self.calls.values()):
+                if call.failure is None:
+                    call.failure = ConnectionFailed(self.dead)
+                self._notify(call, callbacks)
+            self.window_cond.notify_all()
+        for cb in callbacks:
+            cb()
+        if first:
+            self.stream.close()
+            if self.on_close is not None:
+                self.on_close(self)
+
+    # ------------------------------------------------------------ closing
+    def close(self, graceful: bool = True) -> None:
+        if graceful and self.dead is None:
+            with self.lock:
+                try:
+                    self.h2.close_connection()
+                    self._queue()
+                except h2.exceptions.ProtocolError:
+                    pass
+            try:
+                self.flush(block=True)
+            except ConnectionFailed:
+                pass
+        self._fail("connection closed locally")
+
+    @property
+    def alive(self) -> bool:
+        return self.dead is None and self.goaway_last_stream is None

@@ -1,0 +1,462 @@
+"""The server side of fabric.grpc: a grpc.Server that add_XServicer_to_server
+of generated code takes unchanged, listening on plain TCP (host:port, for
+stock gRPC clients) and on fabric addresses (fabric+<backend>://host:port), on
+both at once if asked."""
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+
+import grpc
+
+from fabric.grpc import _http2, _transport, _wire
+
+
+class _Abort(Exception):
+    """Raised by context.abort() to unwind the handler."""
+
+
+class HandlerCallDetails(grpc.HandlerCallDetails):
+    def __init__(self, method, invocation_metadata):
+        self.method = method
+        self.invocation_metadata = invocation_metadata
+
+
+class ServicerContext(grpc.ServicerContext):
+    """What a handler sees of its call."""
+
+    def __init__(self, server, conn, stream, method, metadata, deadline):
+        self._server, self._conn, self._stream = server, conn, stream
+        self._method = method
+        self._metadata = metadata
+        self._deadline = deadline
+        self._code = None
+        self._details = None
+        self._trailing = ()
+        self._initial_sent = False
+        self._finished = False
+        self._cancelled = False
+        self._callbacks = []
+        self._lock = threading.Lock()
+        self._compression = None
+
+    # -- call information
+    def invocation_metadata(self):
+        return self._metadata
+
+    def peer(self):
+        addr = getattr(self._conn.stream, "peer_address", "?")
+        scheme = "ipv6" if addr.count(":") > 1 else "ipv4"
+        return f"{scheme}:{addr}"
+
+    def peer_identities(self):
+        return None
+
+    def peer_identity_key(self):
+        return None
+
+    def auth_context(self):
+        return {}
+
+    def time_remaining(self):
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def is_active(self):
+        return not (self._finished or self._cancelled)
+
+    def add_callback(self, callback):
+        with self._lock:
+            if self._finished or self._cancelled:
+                return False
+            self._callbacks.append(callback)
+            return True
+
+    def _run_callbacks(self):
+        with self._lock:
+            callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            try:
+                cb()
+            except Exception:
+                pass
+
+    def cancel(self):
+        """Cancel the call from the server side (the client sees CANCELLED)."""
+        if self._cancelled or self._finished:
+            return
+        self._cancelled = True
+        self._conn.reset(self._stream)
+        self._run_callbacks()
+
+    def _on_client_gone(self):
+        if not self._finished and not self._cancelled:
+            self._cancelled = True
+            self._run_callbacks()
+
+    # -- status
+    def set_code(self, code):
+        self._code = code
+
+    def set_details(self, details):
+        self._details = details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+    def trailing_metadata(self):
+        return self._trailing
+
+    def set_trailing_metadata(self, trailing_metadata):
+        self._trailing = tuple(trailing_metadata or ())
+
+    def abort(self, code, details):
+        if code == grpc.StatusCode.OK:
+            raise ValueError("abort() needs a non-OK status code")
+        self._code, self._details = code, details
+        raise _Abort()
+
+    def abort_with_status(self, status):
+        self.set_trailing_metadata(status.trailing_metadata)
+        self.abort(status.code, status.details)
+
+    def set_compression(self, compression):
+        self._compression = compression
+
+    def disable_next_message_compression(self):
+        pass
+
+    # -- sending
+    def send_initial_metadata(self, initial_metadata):
+        with self._lock:
+            if self._initial_sent:
+                raise ValueError("initial metadata was already sent")
+            self._initial_sent = True
+        self._send_headers(initial_metadata)
+
+    def _send_headers(self, metadata=()):
+        headers = [(b":status", b"200"), (b"content-type", _wire.CONTENT_TYPE),
+                   (b"grpc-accept-encoding", b"identity")] + _wire.metadata_to_headers(metadata)
+        self._conn.send_headers(self._stream, headers)
+
+    def _ensure_headers(self):
+        with self._lock:
+            if self._initial_sent:
+                return
+            self._initial_sent = True
+        self._send_headers()
+
+    def _send_response(self, response, serializer):
+        if not self.is_active():
+            return False
+        data = serializer(response) if serializer else response
+        n = memoryview(data).nbytes
+        limit = self._server._max_send
+        if limit >= 0 and n > limit:
+            self._code = grpc.StatusCode.RESOURCE_EXHAUSTED
+            self._details = f"Sent message larger than max ({n} vs. {limit})"
+            raise _Abort()
+        self._ensure_headers()
+        self._conn.send_message(self._stream, data, deadline=self._deadline)
+        return True
+
+    def _finish(self, code, details):
+        """Trailers (or Trailers-Only) with the status; once."""
+        with self._lock:
+            if self._finished or self._cancelled:
+                return
+            self._finished = True
+            trailers_only = not self._initial_sent
+            self._initial_sent = True
+        try:
+            trailers = _wire.trailers(code, details, self._trailing)
+        except ValueError as e:
+            trailers = _wire.trailers(grpc.StatusCode.INTERNAL, f"bad trailing metadata: {e}")
+        try:
+            if trailers_only:
+                self._conn.send_headers(self._stream, [(b":status", b"200"),
+                                                       (b"content-type", _wire.CONTENT_TYPE)] + trailers,
+                                        end_stream=True)
+            else:
+                self._conn.send_headers(self._stream, trailers, end_stream=True)
+        except _http2.ConnectionFailed:
+            pass
+        self._conn.forget(self._stream)
+        self._run_callbacks()
+
+
+class _RequestIterator:
+    """Requests of a streaming-request call, as the handler iterates them."""
+
+    def __init__(self, context, deserializer):
+        self._context = context
+        self._deserialize = deserializer
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        ctx = self._context
+        s = ctx._stream
+        with s.cond:
+            ok = s.wait(lambda: bool(s.messages) or s.ended, ctx._deadline)
+            msg = s.take_message() if s.messages else None
+            failure = s.failure
+        if msg is not None:
+            return _deserialize(ctx, self._deserialize, msg)
+        if isinstance(failure, _wire.WireError):
+            ctx._code, ctx._details = failure.code, failure.details
+            raise _Abort()
+        if failure is not None or s.reset_code is not None or not ok:
+            ctx._on_client_gone()
+            raise _Abort()
+        raise StopIteration
+
+    next = __next__
+
+
+def _deserialize(ctx, deserializer, msg):
+    try:
+        return deserializer(msg.tobytes() if isinstance(msg, memoryview) else msg) if deserializer else bytes(msg)
+    except Exception as e:
+        ctx._code, ctx._details = grpc.StatusCode.INTERNAL, f"Exception deserializing request! {e!r}"
+        raise _Abort() from None
+
+
+class Server(grpc.Server):
+    """fabric.grpc.server(thread_pool, handlers=None, options=None, ...)."""
+
+    def __init__(self, thread_pool, handlers=None, interceptors=None, options=None,
+                 maximum_concurrent_rpcs=None, compression=None, fabric=None):
+        if interceptors:
+            raise NotImplementedError("fabric.grpc servers do not support interceptors yet")
+        opts = {k: v for k, v in (options or ())}
+        self._pool = thread_pool
+        self._generic = list(handlers or ())
+        self._registered = {}
+        self._max_receive = int(opts.get("grpc.max_receive_message_length", _wire.DEFAULT_MAX_RECEIVE))
+        self._max_send = int(opts.get("grpc.max_send_message_length", -1))
+        self._max_concurrent = maximum_concurrent_rpcs
+        self._active_rpcs = 0
+        self._fabric = fabric
+        self._listeners = []
+        self._pending_addresses = []
+        self._connections = set()
+        self._lock = threading.Lock()
+        self._started = False
+        self._stopped = threading.Event()
+        self._shutdown_started = False
+
+    # -- configuration
+    def add_generic_rpc_handlers(self, generic_rpc_handlers):
+        self._generic.extend(generic_rpc_handlers)
+
+    def add_registered_method_handlers(self, service_name, method_handlers):
+        for method, handler in method_handlers.items():
+            self._registered[f"/{service_name}/{method}"] = handler
+
+    def add_insecure_port(self, address):
+        """Listen on address (host:port plain TCP, or fabric+<backend>://host:port);
+        returns the port bound (useful with port 0)."""
+        listener = _transport.open_listener(address, self._fabric)
+        self._listeners.append(listener)
+        if self._started:
+            self._start_listener(listener)
+        return listener.port
+
+    def add_secure_port(self, address, server_credentials):
+        raise NotImplementedError("fabric.grpc does not implement TLS; use add_insecure_port")
+
+    # -- lifecycle
+    def start(self):
+        if self._started:
+            raise ValueError("server already started")
+        self._started = True
+        for listener in self._listeners:
+            self._start_listener(listener)
+
+    def _start_listener(self, listener):
+        threading.Thread(target=self._accept_loop, args=(listener,), daemon=True,
+                         name="fabric-grpc-accept").start()
+
+    def _accept_loop(self, listener):
+        while not self._shutdown_started:
+            try:
+                stream = listener.accept()
+            except Exception:
+                if self._shutdown_started:
+                    return
+                time.sleep(0.01)          # a failed handshake: keep serving others
+                continue
+            if self._shutdown_started:
+                stream.close()
+                return
+            try:
+                conn = _http2.Connection(stream, client_side=False, max_receive=self._max_receive,
+                                         on_request=self._on_request, on_close=self._on_conn_close,
+                                         name="fabric-grpc-server")
+            except Exception:
+                stream.close()
+                continue
+            with self._lock:
+                self._connections.add(conn)
+
+    def _on_conn_close(self, conn):
+        with self._lock:
+            self._connections.discard(conn)
+
+    def stop(self, grace):
+        done = threading.Event()
+        self._shutdown_started = True
+        for listener in self._listeners:
+            try:
+                listener.close()
+            except Exception:
+                pass
+
+        def finish():
+            if grace:
+                end = time.monotonic() + grace
+                while self._active_rpcs and time.monotonic() < end:
+                    time.sleep(0.01)
+            with self._lock:
+                conns = list(self._connections)
+            for conn in conns:
+                conn.close(graceful=True)
+            self._stopped.set()
+            done.set()
+
+        if grace:
+            threading.Thread(target=finish, daemon=True).start()
+        else:
+            finish()
+        return done
+
+    def wait_for_termination(self, timeout=None):
+        return self._stopped.wait(timeout)
+
+    # -- calls
+    def _lookup(self, method, metadata):
+        handler = self._registered.get(method)
+        if handler is not None:
+            return handler
+        details = HandlerCallDetails(method, metadata)
+        for generic in self._generic:
+            handler = generic.service(details)
+            if handler is not None:
+                return handler
+        return None
+
+    def _on_request(self, conn, stream):
+        """(reader thread) A new call: validate its headers, then run it on the pool."""
+        headers = dict(stream.headers)
+        method = headers.get(b":path", b"").decode("ascii", "replace")
+        ctx = ServicerContext(self, conn, stream, method, _wire.headers_to_metadata(stream.headers), None)
+        ct = headers.get(b"content-type", b"")
+        if headers.get(b":method") != b"POST" or not ct.startswith(_wire.CONTENT_TYPE):
+            self._pool.submit(ctx._finish, grpc.StatusCode.INTERNAL, f"not a gRPC request (content-type {ct!r})")
+            return
+        if b"grpc-timeout" in headers:
+            try:
+                ctx._deadline = time.monotonic() + _wire.decode_timeout(headers[b"grpc-timeout"])
+            except _wire.WireError as e:
+                self._pool.submit(ctx._finish, e.code, e.details)
+                return
+        enc = headers.get(b"grpc-encoding", b"identity")
+        if enc != b"identity":
+            self._pool.submit(ctx._finish, grpc.StatusCode.UNIMPLEMENTED,
+                              f"compression {enc.decode('ascii', 'replace')} is not supported")
+            return
+        if self._max_concurrent is not None and self._active_rpcs >= self._max_concurrent:
+            self._pool.submit(ctx._finish, grpc.StatusCode.RESOURCE_EXHAUSTED, "Concurrent RPC limit exceeded!")
+            return
+        stream.on_event = lambda s, c=ctx: (c._on_client_gone()
+                                            if s.reset_code is not None or s.failure is not None else None)
+        try:
+            self._pool.submit(self._run, ctx, method)
+        except RuntimeError:            # pool shut down
+            conn.reset(stream)
+
+    def _run(self, ctx, method):
+        with self._lock:
+            self._active_rpcs += 1
+        try:
+            self._serve(ctx, method)
+        finally:
+            with self._lock:
+                self._active_rpcs -= 1
+
+    def _serve(self, ctx, method):
+        handler = self._lookup(method, ctx._metadata)
+        if handler is None:
+            ctx._finish(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {method}")
+            return
+        if ctx._deadline is not None:
+            self._schedule_deadline(ctx)
+        try:
+            if handler.request_streaming:
+                request = _RequestIterator(ctx, handler.request_deserializer)
+            else:
+                request = self._single_request(ctx, handler.request_deserializer)
+            if handler.response_streaming:
+                behavior = handler.stream_stream if handler.request_streaming else handler.unary_stream
+                for response in behavior(request, ctx):
+                    if not ctx._send_response(response, handler.response_serializer):
+                        return
+            else:
+                behavior = handler.stream_unary if handler.request_streaming else handler.unary_unary
+                response = behavior(request, ctx)
+                if not ctx.is_active():
+                    return
+                if response is None and ctx._code in (None, grpc.StatusCode.OK):
+                    ctx._finish(grpc.StatusCode.INTERNAL, "the handler returned no response")
+                    return
+                if ctx._code in (None, grpc.StatusCode.OK):
+                    ctx._send_response(response, handler.response_serializer)
+            code = ctx._code or grpc.StatusCode.OK
+            ctx._finish(code, ctx._details)
+        except _Abort:
+            ctx._finish(ctx._code or grpc.StatusCode.UNKNOWN, ctx._details)
+        except _http2.ConnectionFailed:
+            ctx._on_client_gone()
+        except Exception as e:
+            if ctx.is_active():
+                if ctx._code not in (None, grpc.StatusCode.OK):
+                    ctx._finish(ctx._code, ctx._details)
+                else:
+                    ctx._finish(grpc.StatusCode.UNKNOWN, f"Exception calling application: {e}")
+            if not isinstance(e, NotImplementedError):
+                traceback.print_exc()
+
+    def _single_request(self, ctx, deserializer):
+        s = ctx._stream
+        with s.cond:
+            ok = s.wait(lambda: s.ended or len(s.messages) > 1, ctx._deadline)
+            msgs = [s.take_message() for _ in range(len(s.messages))]
+            failure = s.failure
+        if isinstance(failure, _wire.WireError):
+            ctx._code, ctx._details = failure.code, failure.details
+            raise _Abort()
+        if failure is not None or s.reset_code is not None or not ok:
+            ctx._on_client_gone()
+            raise _http2.ConnectionFailed("the client went away")
+        if len(msgs) != 1:
+            ctx._code = grpc.StatusCode.UNIMPLEMENTED if not msgs else grpc.StatusCode.UNIMPLEMENTED
+            ctx._details = ("No request message for unary call" if not msgs
+                            else "Too many requests for unary call")
+            raise _Abort()
+        return _deserialize(ctx, deserializer, msgs[0])
+
+    def _schedule_deadline(self, ctx):
+        def expire():
+            if ctx.is_active():
+                ctx._cancelled = True
+                ctx._conn.reset(ctx._stream)
+                ctx._run_callbacks()
+        t = threading.Timer(max(ctx._deadline - time.monotonic(), 0), expire)
+        t.daemon = True
+        t.start()
+        ctx.add_callback(t.cancel)

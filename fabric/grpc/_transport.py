@@ -1,0 +1,186 @@
+"""Byte streams under fabric.grpc: the fabric engine's stream for
+fabric+<backend>:// addresses, a plain TCP socket for host:port (what a stock
+gRPC peer speaks). Both offer read_message / write / close as used by
+fabric.grpc._http2."""
+from __future__ import annotations
+
+import socket
+import threading
+
+import fabric
+from fabric import errors
+
+SCHEMES = ("fabric", "fabric+auto", "fabric+tcp", "fabric+ucx", "fabric+verbs", "fabric+softroce")
+READ_SIZE = 256 * 1024
+
+
+def parse_target(target: str) -> tuple[str | None, str, int]:
+    """(backend or None for plain TCP, host, port). Accepted: host:port,
+    [v6]:port, dns:host:port, ipv4:host:port, ipv6:[v6]:port, and
+    fabric[+backend]://host:port."""
+    backend = None
+    rest = target
+    if "://" in target:
+        scheme, rest = target.split("://", 1)
+        if scheme not in SCHEMES:
+            raise ValueError(f"unsupported target scheme {scheme!r} in {target!r} "
+                             f"(use host:port or one of {', '.join(s + '://' for s in SCHEMES)})")
+        backend = scheme.partition("+")[2] or "auto"
+        if backend == "auto":
+            backend = ""                       # FABRIC_BACKEND or auto
+        rest = rest.rstrip("/")
+    else:
+        for p in ("dns:///", "dns:", "ipv4:", "ipv6:"):
+            if rest.startswith(p):
+                rest = rest[len(p):]
+                break
+    if rest.startswith("["):
+        host, _, port = rest[1:].partition("]")
+        port = port.lstrip(":")
+    else:
+        host, _, port = rest.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"target {target!r} has no host:port")
+    return backend, host, int(port)
+
+
+class SocketStream:
+    """A TCP socket with the byte-stream calls fabric.grpc uses."""
+
+    def __init__(self, sock: socket.socket):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self._closed = False
+        try:
+            self.local_address = "%s:%d" % sock.getsockname()[:2]
+            self.peer_address = "%s:%d" % sock.getpeername()[:2]
+        except OSError:
+            self.local_address = self.peer_address = "?"
+
+    def read_message(self, timeout=None):
+        """Some bytes, or None at end of stream; ConnectionLost on error."""
+        try:
+            data = self.sock.recv(READ_SIZE)
+        except OSError as e:
+            raise errors.ConnectionLost(f"socket read failed: {e}") from None
+        return data or None
+
+    def write(self, buffers) -> None:
+        views = [memoryview(b).cast("B") for b in (buffers if isinstance(buffers, (list, tuple)) else [buffers])]
+        views = [v for v in views if v.nbytes]
+        try:
+            while views:
+                sent = self.sock.sendmsg(views[:512])
+                while sent:
+                    if sent >= views[0].nbytes:
+                        sent -= views[0].nbytes
+                        views.pop(0)
+                    else:
+                        views[0] = views[0][sent:]
+                        sent = 0
+        except OSError as e:
+            raise errors.ConnectionLost(f"socket write failed: {e}") from None
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self.sock.close()
+
+
+class FabricStreamAdapter:
+    """fabric.stream.Stream as fabric.grpc sees it: whole writes, whole reads."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.local_address = stream.local_address
+        self.peer_address = stream.peer_address
+
+    def read_message(self, timeout=None):
+        try:
+            return self.stream.read_message(timeout=timeout)
+        except errors.ConnectionClosed:
+            return None
+
+    def write(self, buffers) -> None:
+        self.stream.write(buffers)
+
+    def close(self) -> None:
+        try:
+            self.stream.close()
+        except errors.FabricError:
+            pass
+
+
+_fabrics: dict = {}
+_fabrics_lock = threading.Lock()
+
+
+def shared_fabric(backend: str) -> fabric.Fabric:
+    """One Fabric per backend name per process (each owns a progress context)."""
+    with _fabrics_lock:
+        fab = _fabrics.get(backend)
+        if fab is None:
+            fab = _fabrics[backend] = fabric.Fabric(backend or None)
+        return fab
+
+
+def open_stream(target: str, timeout: float | None, fab: fabric.Fabric | None = None):
+    backend, host, port = parse_target(target)
+    if backend is None:
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as e:
+            raise errors.ConnectionLost(f"connect to {host}:{port} failed: {e}") from None
+        sock.settimeout(None)
+        return SocketStream(sock)
+    fab = fab or shared_fabric(backend)
+    addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return FabricStreamAdapter(fab.connect_stream(addr, timeout=timeout))
+
+
+class SocketListener:
+    def __init__(self, host: str, port: int):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and host in ("::", ""):
+            self.sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        self.sock.bind((host, port))
+        self.sock.listen(128)
+        self.port = self.sock.getsockname()[1]
+
+    def accept(self):
+        conn, _ = self.sock.accept()
+        return SocketStream(conn)
+
+    def close(self):
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+class FabricListener:
+    def __init__(self, backend: str, host: str, port: int, fab=None):
+        self.fab = fab or shared_fabric(backend)
+        addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.listener = self.fab.listen_stream(addr)
+        self.port = int(self.listener.address.rsplit(":", 1)[1])
+
+    def accept(self):
+        return FabricStreamAdapter(self.listener.accept())
+
+    def close(self):
+        self.listener.close()
+
+
+def open_listener(address: str, fab=None):
+    backend, host, port = parse_target(address)
+    if backend is None:
+        return SocketListener(host, port)
+    return FabricListener(backend, host, port, fab)

@@ -1,0 +1,202 @@
+"""gRPC's wire rules on top of HTTP/2 (gRPC's PROTOCOL-HTTP2.md): the
+length-prefixed message framing, metadata (including -bin keys), grpc-timeout,
+grpc-status / grpc-message, and the mapping of HTTP status to gRPC codes."""
+from __future__ import annotations
+
+import base64
+import struct
+from urllib.parse import quote, unquote
+
+import grpc
+
+PREFIX = struct.Struct(">BI")          # compressed flag, message length
+PREFIX_SIZE = PREFIX.size
+DEFAULT_MAX_RECEIVE = 4 * 1024 * 1024  # grpcio's default
+CONTENT_TYPE = b"application/grpc"
+
+CODE_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
+
+# Metadata keys an application may not set (HTTP/2 pseudo-headers, gRPC's own).
+RESERVED = frozenset([b"content-type", b"te", b"grpc-status", b"grpc-message", b"grpc-timeout",
+                      b"grpc-encoding", b"grpc-accept-encoding", b"grpc-status-details-bin",
+                      b"user-agent", b"host", b"connection", b"transfer-encoding", b"upgrade"])
+
+
+class WireError(Exception):
+    """A gRPC protocol violation; carries the status the call ends with."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+def prefix(length: int, compressed: bool = False) -> bytes:
+    return PREFIX.pack(1 if compressed else 0, length)
+
+
+class MessageAssembler:
+    """Cuts DATA payloads into gRPC messages; refuses a message above
+    max_length before buffering it (the sender learns RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, max_length: int):
+        self.max_length = max_length
+        self._buf = bytearray()
+        self._need = None                # length of the message being assembled
+        self._flag = 0
+
+    @property
+    def partial(self) -> bool:
+        return bool(self._buf) or self._need is not None
+
+    def feed(self, data) -> list:
+        """Complete messages (bytes or memoryview) found after adding data."""
+        out = []
+        view = memoryview(data).cast("B")
+        while view.nbytes:
+            if self._need is None:
+                if not self._buf and view.nbytes >= PREFIX_SIZE:
+                    flag, length = PREFIX.unpack_from(view)
+                    view = view[PREFIX_SIZE:]
+                else:
+                    take = min(PREFIX_SIZE - len(self._buf), view.nbytes)
+                    self._buf += view[:take]
+                    view = view[take:]
+                    if len(self._buf) < PREFIX_SIZE:
+                        break
+                    flag, length = PREFIX.unpack_from(self._buf)
+                    self._buf.clear()
+                self._check(flag, length)
+                self._need, self._flag = length, flag
+            if not self._buf and view.nbytes >= self._need:
+                # the whole message inside this payload: no copy
+                out.append(view[:self._need])
+                view = view[self._need:]
+                self._need = None
+                continue
+            take = min(self._need - len(self._buf), view.nbytes)
+            self._buf += view[:take]
+            view = view[take:]
+            if len(self._buf) == self._need:
+                out.append(bytes(self._buf))
+                self._buf = bytearray()
+                self._need = None
+        return out
+
+    def _check(self, flag: int, length: int):
+        if flag not in (0, 1):
+            raise WireError(grpc.StatusCode.INTERNAL, f"bad message flag {flag}")
+        if flag == 1:
+            raise WireError(grpc.StatusCode.UNIMPLEMENTED,
+                            "compressed message received but no compression was negotiated")
+        if self.max_length >= 0 and length > self.max_length:
+            raise WireError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"Received message larger than max ({length} vs. {self.max_length})")
+
+
+# ---------------------------------------------------------------- timeouts
+
+_UNITS = ((b"H", 3600.0), (b"M", 60.0), (b"S", 1.0), (b"m", 1e-3), (b"u", 1e-6), (b"n", 1e-9))
+
+
+def encode_timeout(seconds: float) -> bytes:
+    """The shortest grpc-timeout value (at most 8 digits) not below seconds."""
+    seconds = max(seconds, 0.0)
+    for unit, scale in reversed(_UNITS):
+        value = int(-(-seconds // scale))           # ceiling
+        if value < 100_000_000:
+            return str(max(value, 1 if seconds > 0 else 0)).encode() + unit
+    return b"99999999H"
+
+
+def decode_timeout(value: bytes) -> float:
+    if not 2 <= len(value) <= 9 or not value[:-1].isdigit():
+        raise WireError(grpc.StatusCode.INTERNAL, f"malformed grpc-timeout {value!r}")
+    unit = value[-1:]
+    for u, scale in _UNITS:
+        if u == unit:
+            return int(value[:-1]) * scale
+    raise WireError(grpc.StatusCode.INTERNAL, f"malformed grpc-timeout {value!r}")
+
+
+# ---------------------------------------------------------------- metadata
+
+def _key_bytes(key) -> bytes:
+    return key.encode("ascii") if isinstance(key, str) else bytes(key)
+
+
+def metadata_to_headers(metadata) -> list:
+    """Application metadata as HTTP/2 header pairs (bytes); -bin values are
+    base64-encoded. Keys must be lowercase ASCII and not reserved."""
+    headers = []
+    for key, value in metadata or ():
+        k = _key_bytes(key).lower()
+        if not k or k.startswith(b":") or k in RESERVED:
+            raise ValueError(f"metadata key {key!r} is reserved")
+        if not all(c in b"abcdefghijklmnopqrstuvwxyz0123456789-_." for c in k):
+            raise ValueError(f"metadata key {key!r} has characters gRPC does not allow")
+        if k.endswith(b"-bin"):
+            raw = value if isinstance(value, (bytes, bytearray, memoryview)) else str(value).encode()
+            v = base64.b64encode(bytes(raw)).rstrip(b"=")
+        else:
+            if isinstance(value, (bytes, bytearray)):
+                v = bytes(value)
+            else:
+                v = str(value).encode("ascii")
+            if any(c < 0x20 or c > 0x7E for c in v):
+                raise ValueError(f"metadata value of {key!r} must be printable ASCII (use a -bin key)")
+        headers.append((k, v))
+    return headers
+
+
+def headers_to_metadata(headers) -> tuple:
+    """HTTP/2 headers to grpc metadata: (key str, value str|bytes) pairs, the
+    reserved and pseudo headers left out."""
+    out = []
+    for k, v in headers:
+        k = _key_bytes(k)
+        if k.startswith(b":") or k in RESERVED:
+            continue
+        key = k.decode("ascii", "replace")
+        if k.endswith(b"-bin"):
+            vb = bytes(v) if not isinstance(v, str) else v.encode()
+            out.append((key, base64.b64decode(vb + b"=" * (-len(vb) % 4))))
+        else:
+            out.append((key, v.decode("ascii", "replace") if isinstance(v, (bytes, bytearray)) else v))
+    return tuple(out)
+
+
+def encode_message_text(details: str | None) -> bytes:
+    return quote(details or "", safe=" !\"#$&'()*+,-./0123456789:;<=>?@ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                   "[\\]^_`abcdefghijklmnopqrstuvwxyz{|}~").encode("ascii")
+
+
+def decode_message_text(value: bytes) -> str:
+    return unquote(value.decode("ascii", "replace"), errors="replace")
+
+
+def status_from_http(status: int) -> grpc.StatusCode:
+    return {400: grpc.StatusCode.INTERNAL, 401: grpc.StatusCode.UNAUTHENTICATED,
+            403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.UNIMPLEMENTED,
+            429: grpc.StatusCode.UNAVAILABLE, 502: grpc.StatusCode.UNAVAILABLE,
+            503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.UNAVAILABLE}.get(status,
+                                                                                 grpc.StatusCode.UNKNOWN)
+
+
+def trailers(code: grpc.StatusCode, details: str | None, metadata=()) -> list:
+    out = [(b"grpc-status", str(code.value[0]).encode())]
+    if details:
+        out.append((b"grpc-message", encode_message_text(details)))
+    out.extend(metadata_to_headers(metadata))
+    return out
+
+
+def status_of(headers: dict) -> tuple[grpc.StatusCode, str]:
+    raw = headers.get(b"grpc-status")
+    if raw is None:
+        return grpc.StatusCode.UNKNOWN, "missing grpc-status in trailers"
+    try:
+        code = CODE_BY_NUMBER.get(int(raw), grpc.StatusCode.UNKNOWN)
+    except ValueError:
+        return grpc.StatusCode.UNKNOWN, f"malformed grpc-status {raw!r}"
+    return code, decode_message_text(headers.get(b"grpc-message", b""))
