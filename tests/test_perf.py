@@ -114,9 +114,14 @@ def test_tuner_keeps_the_default_unless_a_candidate_clearly_wins():
     assert tune.decide(raw, "default", score)[0] == "lucky"        # wins 3 of 5 rounds, median 200
     raw["lucky"] = [{"x": 300}, {"x": 300}, {"x": 90}, {"x": 90}, {"x": 90}]
     assert tune.decide(raw, "default", score)[0] == "default"      # wins 2 of 5
+    # a better average that hides a slower size is refused
+    raw = {"default": [{"x": 100, "a": 50, "b": 50}] * 5, "uneven": [{"x": 130, "a": 100, "b": 30}] * 5}
+    assert tune.decide(raw, "default", score)[0] == "default"
     # lower is better (latencies)
     raw = {"default": [{"x": 100}] * 3, "quick": [{"x": 50}] * 3}
     assert tune.decide(raw, "default", score, higher_is_better=False)[0] == "quick"
+    raw = {"default": [{"x": 100, "a": 50}] * 3, "mixed": [{"x": 50, "a": 60}] * 3}
+    assert tune.decide(raw, "default", score, higher_is_better=False)[0] == "default"
 
 
 def test_tune_dry_run_needs_no_profile_and_refuses_profile_none(monkeypatch):

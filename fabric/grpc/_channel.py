@@ -108,6 +108,16 @@ class _Call(grpc.Call, grpc.Future):
         self._wait_for_ready = wait_for_ready
 
     # -- starting
+    def _start_unary(self, request, serializer):
+        """Headers, the one request and end of stream, in one write."""
+        try:
+            conn = self._channel._connection(self._deadline, self._wait_for_ready)
+        except Exception:
+            return self._start(end_stream=False)          # reports the failure
+        with conn.cork():
+            if self._start(end_stream=False):
+                self._send(request, serializer, end_stream=True)
+
     def _start(self, end_stream: bool):
         headers = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", self._method.encode()),
                    (b":authority", self._channel._authority), (b"te", b"trailers"),
@@ -438,8 +448,7 @@ class _MultiCallable:
 class UnaryUnaryMultiCallable(_MultiCallable, grpc.UnaryUnaryMultiCallable):
     def _invoke(self, request, timeout, metadata, wait_for_ready):
         call = self._new_call(timeout, metadata, wait_for_ready)
-        if call._start(end_stream=False) and call._send(request, self._serialize, end_stream=True):
-            pass
+        call._start_unary(request, self._serialize)
         return call
 
     def __call__(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
@@ -472,8 +481,7 @@ class UnaryStreamMultiCallable(_MultiCallable, grpc.UnaryStreamMultiCallable):
     def __call__(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
                  compression=None):
         call = self._new_call(timeout, metadata, wait_for_ready)
-        if call._start(end_stream=False):
-            call._send(request, self._serialize, end_stream=True)
+        call._start_unary(request, self._serialize)
         return call
 
 

@@ -31,6 +31,7 @@ CONNECTION_WINDOW = 256 << 20            # connection receive window we offer
 MAX_FRAME = (1 << 24) - 1                # largest frame we accept (HTTP/2 maximum)
 QUEUED_HIGH_WATER = 16 << 20             # unread complete messages per call before we stop opening its window
 MAX_CONCURRENT_STREAMS = 1000
+SMALL_MESSAGE = 64 << 10                 # up to this, prefix and message go out as one DATA frame
 
 
 class ConnectionFailed(Exception):
@@ -95,6 +96,7 @@ class Connection:
         self.calls: dict[int, CallStream] = {}
         self.dead = None                    # reason, once failed
         self.goaway_last_stream = None
+        self._local = threading.local()
         config = h2.config.H2Configuration(client_side=client_side, header_encoding=None)
         self.h2 = h2.connection.H2Connection(config)
         with self.lock:
@@ -114,6 +116,15 @@ class Connection:
         self.reader.start()
 
     # ------------------------------------------------------------ writing
+    def cork(self):
+        """with conn.cork(): the calling thread's frames leave in one write
+        at the end (headers + message + end of a unary call, say)."""
+        return _Cork(self)
+
+    def _flush_app(self) -> None:
+        if not getattr(self._local, "corked", 0):
+            self.flush(block=True)
+
     def flush(self, block: bool) -> None:
         """Write queued bytes in order. block=False: leave them to the
         current writer if there is one (the reader thread uses this)."""
@@ -174,7 +185,7 @@ class Connection:
             self.calls[sid] = call
             self.h2.send_headers(sid, headers, end_stream=end_stream)
             self._queue()
-        self.flush(block=True)
+        self._flush_app()
         return call
 
     def send_headers(self, call: CallStream, headers, end_stream: bool = False) -> None:
@@ -184,7 +195,7 @@ class Connection:
             if end_stream:
                 call.local_closed = True
             self._queue()
-        self.flush(block=True)
+        self._flush_app()
 
     def _check_call(self, call: CallStream):
         self._check_alive()
@@ -196,32 +207,45 @@ class Connection:
     def send_message(self, call: CallStream, payload, end_stream: bool = False,
                      deadline: float | None = None) -> None:
         """A length-prefixed gRPC message, cut to the peer's windows and frame size."""
-        view = memoryview(payload).cast("B") if not isinstance(payload, memoryview) else payload.cast("B")
-        pieces = [memoryview(_wire.prefix(view.nbytes)), view]
+        view = memoryview(payload).cast("B")
+        if view.nbytes <= SMALL_MESSAGE:
+            pieces = [memoryview(_wire.prefix(view.nbytes) + view.tobytes())]    # one DATA frame
+        else:
+            pieces = [memoryview(_wire.prefix(view.nbytes)), view]
         for i, piece in enumerate(pieces):
             last = i == len(pieces) - 1
-            while piece.nbytes or (last and end_stream):
+            while True:
+                must_flush = False
                 with self.lock:
                     while True:
                         self._check_call(call)
                         window = self.h2.local_flow_control_window(call.id)
                         if window > 0 or piece.nbytes == 0:
                             break
+                        if self.pending:
+                            must_flush = True       # let the peer see what we have before we wait
+                            break
                         left = None if deadline is None else deadline - time.monotonic()
                         if left is not None and left <= 0:
                             raise TimeoutError("deadline exceeded while waiting for flow control")
                         self.window_cond.wait(left)
-                    n = min(window, self.h2.max_outbound_frame_size, piece.nbytes)
-                    done = n == piece.nbytes
-                    self.h2.send_data(call.id, piece[:n].tobytes() if n else b"",
-                                      end_stream=bool(last and end_stream and done))
-                    if last and end_stream and done:
-                        call.local_closed = True
-                    self._queue()
-                self.flush(block=True)
+                    if not must_flush:
+                        n = min(window, self.h2.max_outbound_frame_size, piece.nbytes)
+                        done = n == piece.nbytes
+                        fin = bool(last and end_stream and done)
+                        self.h2.send_data(call.id, piece[:n].tobytes() if n else b"", end_stream=fin)
+                        if fin:
+                            call.local_closed = True
+                        self._queue()
+                if must_flush:
+                    self.flush(block=True)
+                    continue
+                if not done:
+                    self.flush(block=True)          # a large message: frames leave as they are cut
                 piece = piece[n:]
                 if done:
                     break
+        self._flush_app()
 
     def end_stream(self, call: CallStream) -> None:
         with self.lock:
@@ -229,7 +253,7 @@ class Connection:
             self.h2.end_stream(call.id)
             call.local_closed = True
             self._queue()
-        self.flush(block=True)
+        self._flush_app()
 
     def reset(self, call: CallStream, code=h2.errors.ErrorCodes.CANCEL) -> None:
         """RST_STREAM (cancellation); quiet if the stream is already gone."""
@@ -394,3 +418,26 @@ class Connection:
     @property
     def alive(self) -> bool:
         return self.dead is None and self.goaway_last_stream is None
+
+
+class _Cork:
+    __slots__ = ("conn",)
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def __enter__(self):
+        local = self.conn._local
+        local.corked = getattr(local, "corked", 0) + 1
+        return self
+
+    def __exit__(self, *exc):
+        local = self.conn._local
+        local.corked -= 1
+        if local.corked == 0:
+            try:
+                self.conn.flush(block=True)
+            except ConnectionFailed:
+                if exc[0] is None:
+                    raise
+        return False

@@ -159,8 +159,9 @@ class ServicerContext(grpc.ServicerContext):
             self._code = grpc.StatusCode.RESOURCE_EXHAUSTED
             self._details = f"Sent message larger than max ({n} vs. {limit})"
             raise _Abort()
-        self._ensure_headers()
-        self._conn.send_message(self._stream, data, deadline=self._deadline)
+        with self._conn.cork():
+            self._ensure_headers()
+            self._conn.send_message(self._stream, data, deadline=self._deadline)
         return True
 
     def _finish(self, code, details):
@@ -415,7 +416,10 @@ class Server(grpc.Server):
                     ctx._finish(grpc.StatusCode.INTERNAL, "the handler returned no response")
                     return
                 if ctx._code in (None, grpc.StatusCode.OK):
-                    ctx._send_response(response, handler.response_serializer)
+                    with ctx._conn.cork():                  # headers, response, trailers: one write
+                        ctx._send_response(response, handler.response_serializer)
+                        ctx._finish(ctx._code or grpc.StatusCode.OK, ctx._details)
+                    return
             code = ctx._code or grpc.StatusCode.OK
             ctx._finish(code, ctx._details)
         except _Abort:

@@ -130,7 +130,7 @@ def metadata_to_headers(metadata) -> list:
     base64-encoded. Keys must be lowercase ASCII and not reserved."""
     headers = []
     for key, value in metadata or ():
-        k = _key_bytes(key).lower()
+        k = _key_bytes(key)
         if not k or k.startswith(b":") or k in RESERVED:
             raise ValueError(f"metadata key {key!r} is reserved")
         if not all(c in b"abcdefghijklmnopqrstuvwxyz0123456789-_." for c in k):

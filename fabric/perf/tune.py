@@ -101,17 +101,22 @@ def tune_eager_limit(backend, base, scale, say) -> tuple[int, dict]:
 
 
 def decide(raw: dict, default_name: str, score, higher_is_better: bool = True) -> tuple[str, dict]:
-    """The candidate whose median score beats the default's by > MARGIN and
-    which beats the default in more than half of the rounds; else the default."""
+    """The candidate whose median score beats the default's by > MARGIN,
+    which beats the default in more than half of the rounds, and which is not
+    worse than the default by more than MARGIN in any single figure (so a
+    better average cannot hide a size that got slower); else the default."""
     sign = 1 if higher_is_better else -1
     per_round = {name: [score(r) for r in rows] for name, rows in raw.items()}
     median = {name: statistics.median(v) for name, v in per_round.items()}
     base = per_round[default_name]
+    figures = {name: {k: statistics.median(r[k] for r in rows) for k in rows[0]} for name, rows in raw.items()}
     best, best_score = default_name, median[default_name]
     for name, v in per_round.items():
         wins = sum(1 for a, b in zip(v, base) if sign * (a - b) > 0)
         gain = (median[name] / median[default_name]) ** sign
-        if gain > 1 + MARGIN and wins * 2 > len(v) and sign * (median[name] - best_score) > 0:
+        no_loss = all((figures[name][k] / figures[default_name][k]) ** sign >= 1 - MARGIN
+                      for k in figures[name] if figures[default_name][k])
+        if gain > 1 + MARGIN and wins * 2 > len(v) and no_loss and sign * (median[name] - best_score) > 0:
             best, best_score = name, median[name]
     return best, median
 

@@ -1,0 +1,101 @@
+"""The interop test service (tests/protos/interop.proto): code generated with
+grpcio-tools at test time, and a servicer that behaves like gRPC's interop
+server (echoed metadata, requested statuses, sizes and sleeps)."""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import tempfile
+import threading
+import time
+
+import grpc
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+_lock = threading.Lock()
+_modules = None
+
+ECHO_INITIAL = "x-grpc-test-echo-initial"
+ECHO_TRAILING = "x-grpc-test-echo-trailing-bin"
+
+
+def generated():
+    """(interop_pb2, interop_pb2_grpc), compiled once per process."""
+    global _modules
+    with _lock:
+        if _modules is None:
+            from grpc_tools import protoc
+            out = tempfile.mkdtemp(prefix="fabric-interop-")
+            rc = protoc.main(["protoc", f"-I{os.path.join(HERE, 'protos')}", f"--python_out={out}",
+                              f"--grpc_python_out={out}", os.path.join(HERE, "protos", "interop.proto")])
+            if rc != 0:
+                raise RuntimeError(f"protoc failed ({rc})")
+            sys.path.insert(0, out)
+            _modules = (importlib.import_module("interop_pb2"), importlib.import_module("interop_pb2_grpc"))
+        return _modules
+
+
+def servicer_class():
+    pb, pb_grpc = generated()
+
+    def echo_metadata(context):
+        md = dict(context.invocation_metadata())
+        if ECHO_INITIAL in md:
+            context.send_initial_metadata(((ECHO_INITIAL, md[ECHO_INITIAL]),))
+        if ECHO_TRAILING in md:
+            context.set_trailing_metadata(((ECHO_TRAILING, md[ECHO_TRAILING]),))
+
+    def apply_status(status, context):
+        if status.code:
+            context.abort(_code(status.code), status.message)
+
+    class TestService(pb_grpc.TestServiceServicer):
+        def __init__(self):
+            self.cancelled = threading.Event()
+            self.calls = 0
+
+        def EmptyCall(self, request, context):
+            echo_metadata(context)
+            return pb.Empty()
+
+        def UnaryCall(self, request, context):
+            self.calls += 1
+            echo_metadata(context)
+            if request.sleep_ms:
+                context.add_callback(self.cancelled.set)
+                end = time.monotonic() + request.sleep_ms / 1000
+                while time.monotonic() < end and context.is_active():
+                    time.sleep(0.005)
+            apply_status(request.response_status, context)
+            return pb.SimpleResponse(payload=pb.Payload(body=bytes(request.response_size)))
+
+        def StreamingOutputCall(self, request, context):
+            echo_metadata(context)
+            for p in request.response_parameters:
+                if p.interval_us:
+                    time.sleep(p.interval_us / 1e6)
+                yield pb.StreamingOutputCallResponse(payload=pb.Payload(body=bytes(p.size)))
+            apply_status(request.response_status, context)
+
+        def StreamingInputCall(self, request_iterator, context):
+            echo_metadata(context)
+            return pb.StreamingInputCallResponse(
+                aggregated_payload_size=sum(len(r.payload.body) for r in request_iterator))
+
+        def FullDuplexCall(self, request_iterator, context):
+            echo_metadata(context)
+            context.add_callback(self.cancelled.set)
+            for request in request_iterator:
+                apply_status(request.response_status, context)
+                for p in request.response_parameters:
+                    yield pb.StreamingOutputCallResponse(payload=pb.Payload(body=bytes(p.size)))
+
+    return TestService
+
+
+def _code(number: int) -> grpc.StatusCode:
+    for c in grpc.StatusCode:
+        if c.value[0] == number:
+            return c
+    return grpc.StatusCode.UNKNOWN

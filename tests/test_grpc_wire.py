@@ -1,0 +1,117 @@
+"""gRPC wire rules of fabric.grpc: message framing (hypothesis: any split of
+the byte stream), grpc-timeout, metadata and status text encodings, targets."""
+import os
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+grpc = pytest.importorskip("grpc")
+pytest.importorskip("h2")
+
+from fabric.grpc import _transport, _wire  # noqa: E402
+
+
+def framed(messages):
+    return b"".join(_wire.prefix(len(m)) + m for m in messages)
+
+
+@settings(max_examples=200, deadline=None)
+@given(messages=st.lists(st.binary(max_size=300), max_size=8), cuts=st.lists(st.integers(0, 3000), max_size=12))
+def test_messages_survive_any_split(messages, cuts):
+    data = framed(messages)
+    points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
+    asm = _wire.MessageAssembler(1 << 20)
+    out = []
+    for a, b in zip(points, points[1:]):
+        out += [bytes(m) for m in asm.feed(data[a:b])]
+    assert out == messages
+    assert not asm.partial
+
+
+@pytest.mark.parametrize("limit,size,ok", [(10, 10, True), (10, 11, False), (0, 0, True), (0, 1, False),
+                                           (-1, 1 << 20, True)])
+def test_receive_limit_is_enforced_before_buffering(limit, size, ok):
+    asm = _wire.MessageAssembler(limit)
+    header = _wire.prefix(size)
+    if ok:
+        assert [bytes(m) for m in asm.feed(header + bytes(size))] == [bytes(size)]
+    else:
+        with pytest.raises(_wire.WireError) as exc:
+            asm.feed(header)                     # refused from the prefix alone
+        assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_compressed_and_bad_flags_are_refused():
+    with pytest.raises(_wire.WireError) as exc:
+        _wire.MessageAssembler(100).feed(b"\x01\x00\x00\x00\x01x")
+    assert exc.value.code == grpc.StatusCode.UNIMPLEMENTED
+    with pytest.raises(_wire.WireError) as exc:
+        _wire.MessageAssembler(100).feed(b"\x07\x00\x00\x00\x01x")
+    assert exc.value.code == grpc.StatusCode.INTERNAL
+
+
+def test_whole_messages_are_not_copied():
+    data = framed([b"abc" * 1000])
+    out = _wire.MessageAssembler(1 << 20).feed(memoryview(data))
+    assert isinstance(out[0], memoryview) and out[0].obj is data
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.floats(min_value=0, max_value=1e9, allow_nan=False))
+def test_timeout_encoding_never_shortens_and_fits_8_digits(seconds):
+    value = _wire.encode_timeout(seconds)
+    assert 2 <= len(value) <= 9 and value[:-1].isdigit()
+    decoded = _wire.decode_timeout(value)
+    assert decoded >= seconds - 1e-12 or seconds > 99999999 * 3600
+    if seconds > 1e-6:
+        assert decoded <= seconds * 1.0001 + 1e-9 or decoded - seconds < 3600
+
+
+@pytest.mark.parametrize("bad", [b"", b"1", b"S", b"123456789S", b"12x", b"1.5S", b"-1S"])
+def test_malformed_timeouts(bad):
+    with pytest.raises(_wire.WireError):
+        _wire.decode_timeout(bad)
+
+
+def test_metadata_round_trip_and_binary_values():
+    md = [("key", "value"), ("x-bin", b"\x00\xff\x10"), ("empty-bin", b""), ("k2", b"bytes-ok")]
+    headers = _wire.metadata_to_headers(md)
+    assert (b"x-bin", b"AP8Q") in headers             # base64 without padding
+    back = _wire.headers_to_metadata(headers + [(b":status", b"200"), (b"content-type", b"application/grpc")])
+    assert back == (("key", "value"), ("x-bin", b"\x00\xff\x10"), ("empty-bin", b""), ("k2", "bytes-ok"))
+
+
+@pytest.mark.parametrize("md", [[("grpc-status", "0")], [(":path", "/x")], [("Upper", "x")], [("sp ace", "x")],
+                                [("k", "new\nline")], [("content-type", "text/plain")]])
+def test_bad_metadata_is_refused(md):
+    with pytest.raises(ValueError):
+        _wire.metadata_to_headers(md)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=200))
+def test_status_message_encoding_round_trips(text):
+    encoded = _wire.encode_message_text(text)
+    assert all(0x20 <= c <= 0x7E for c in encoded)
+    assert _wire.decode_message_text(encoded) == text
+
+
+def test_status_from_trailers():
+    assert _wire.status_of({b"grpc-status": b"5", b"grpc-message": b"not%20here"}) == \
+        (grpc.StatusCode.NOT_FOUND, "not here")
+    assert _wire.status_of({})[0] == grpc.StatusCode.UNKNOWN
+    assert _wire.status_of({b"grpc-status": b"x"})[0] == grpc.StatusCode.UNKNOWN
+    assert _wire.status_from_http(404) == grpc.StatusCode.UNIMPLEMENTED
+    assert _wire.status_from_http(503) == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize("target,expected", [
+    ("127.0.0.1:50051", (None, "127.0.0.1", 50051)),
+    ("dns:localhost:1", (None, "localhost", 1)),
+    ("ipv6:[::1]:2", (None, "::1", 2)),
+    ("fabric+ucx://h:3", ("ucx", "h", 3)),
+    ("fabric+tcp://[::1]:4/", ("tcp", "::1", 4)),
+    ("fabric://h:5", ("", "h", 5)),
+])
+def test_targets(target, expected):
+    assert _transport.parse_target(target) == expected
