@@ -31,6 +31,7 @@ CONNECTION_WINDOW = 256 << 20            # connection receive window we offer
 MAX_FRAME = (1 << 24) - 1                # largest frame we accept (HTTP/2 maximum)
 QUEUED_HIGH_WATER = 16 << 20             # unread complete messages per call before we stop opening its window
 MAX_CONCURRENT_STREAMS = 1000
+MAX_HEADER_LIST = 64 << 10               # bytes of headers (metadata) per call we accept
 SMALL_MESSAGE = 64 << 10                 # up to this, prefix and message go out as one DATA frame
 
 
@@ -99,16 +100,20 @@ class Connection:
         self._local = threading.local()
         config = h2.config.H2Configuration(client_side=client_side, header_encoding=None)
         self.h2 = h2.connection.H2Connection(config)
+        # Our settings take effect when we send them, not when the peer
+        # acknowledges them: a peer may use a larger frame or window as soon
+        # as it has read them (grpcio does), before its ACK reaches us.
+        codes = h2.settings.SettingCodes
+        values = {codes.INITIAL_WINDOW_SIZE: STREAM_WINDOW, codes.MAX_FRAME_SIZE: MAX_FRAME,
+                  codes.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS,
+                  codes.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST}
+        if client_side:
+            values[codes.ENABLE_PUSH] = 0
+        self.h2.local_settings = h2.settings.Settings(client=client_side, initial_values=values)
+        self.h2.max_inbound_frame_size = MAX_FRAME
+        self.h2.incoming_buffer.max_frame_size = MAX_FRAME
         with self.lock:
             self.h2.initiate_connection()
-            self.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
-                                     h2.settings.SettingCodes.MAX_FRAME_SIZE: MAX_FRAME,
-                                     h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS,
-                                     h2.settings.SettingCodes.ENABLE_PUSH: 0}
-                                    if client_side else
-                                    {h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
-                                     h2.settings.SettingCodes.MAX_FRAME_SIZE: MAX_FRAME,
-                                     h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS})
             self.h2.increment_flow_control_window(CONNECTION_WINDOW - 65535)
             self.pending.append(self.h2.data_to_send())
         self.flush(block=True)

@@ -456,10 +456,10 @@ class Server(grpc.Server):
 
     def _schedule_deadline(self, ctx):
         def expire():
+            # The client learns DEADLINE_EXCEEDED from the status (as from
+            # grpcio servers), the handler from is_active() and its callbacks.
             if ctx.is_active():
-                ctx._cancelled = True
-                ctx._conn.reset(ctx._stream)
-                ctx._run_callbacks()
+                ctx._finish(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
         t = threading.Timer(max(ctx._deadline - time.monotonic(), 0), expire)
         t.daemon = True
         t.start()
