@@ -1575,6 +1575,17 @@ cdef int worker_wait(worker_t* w, pred_fn pred, void* arg, ep_t* hint, double de
             pthread_cond_broadcast(&w.cond)
             notify_loop(w)
         else:
+            # Another thread is in epoll_wait with the interest set it armed
+            # before it slept. What this thread did since (a send that now
+            # needs EPOLLOUT, a backend that now has work pending) must reach
+            # that set, or both threads sleep until the slice ends (measured:
+            # a server with an accept thread and a serving thread moved
+            # rendezvous traffic 16x slower). epoll_ctl on a waited-on epoll
+            # takes effect at once.
+            if arm_all(w):
+                progress_all(w)
+                pthread_cond_broadcast(&w.cond)
+                continue
             if w.bg_state == BG_POLLING:
                 write(w.wake_fd, &one, 8)     # the application takes over polling
             clock_gettime(CLOCK_MONOTONIC, &ts)
