@@ -12,6 +12,7 @@ cannot deadlock. Application threads wait on per-call conditions.
 from __future__ import annotations
 
 import collections
+import struct
 import threading
 import time
 
@@ -33,6 +34,34 @@ QUEUED_HIGH_WATER = 16 << 20             # unread complete messages per call bef
 MAX_CONCURRENT_STREAMS = 1000
 MAX_HEADER_LIST = 64 << 10               # bytes of headers (metadata) per call we accept
 SMALL_MESSAGE = 64 << 10                 # up to this, prefix and message go out as one DATA frame
+FAST_DATA_MIN = 64 << 10                 # DATA frames from this size bypass h2's byte handling
+FRAME_HEADER = struct.Struct(">HBBBI")   # length (24 bits as H+B), type, flags, stream id
+DATA, END_STREAM_FLAG, PADDED_FLAG = 0x0, 0x1, 0x8
+
+
+def frame_header(length: int, ftype: int, flags: int, stream_id: int) -> bytes:
+    return FRAME_HEADER.pack(length >> 8, length & 0xFF, ftype, flags, stream_id & 0x7FFFFFFF)
+
+
+def parse_frame_header(view) -> tuple[int, int, int, int]:
+    hi, lo, ftype, flags, sid = FRAME_HEADER.unpack_from(view)
+    return (hi << 8) | lo, ftype, flags, sid & 0x7FFFFFFF
+
+
+def fast_data_supported(conn) -> bool:
+    """The large-DATA path keeps h2's bookkeeping through these h2 internals
+    (h2 4.x); without them every DATA frame goes through h2."""
+    return (hasattr(conn, "_inbound_flow_control_window_manager") and hasattr(conn, "_get_stream_by_id")
+            and hasattr(conn, "state_machine"))
+
+
+class _Own:
+    """A pending buffer written as a stream write of its own (so the peer's
+    fabric receives it as one message it can pull straight into place)."""
+    __slots__ = ("view",)
+
+    def __init__(self, view):
+        self.view = view
 
 
 class ConnectionFailed(Exception):
@@ -100,6 +129,8 @@ class Connection:
         self._local = threading.local()
         config = h2.config.H2Configuration(client_side=client_side, header_encoding=None)
         self.h2 = h2.connection.H2Connection(config)
+        self.fast_data = fast_data_supported(self.h2)
+        self.counters = {"fast_data_frames_sent": 0, "fast_data_frames_received": 0}
         # Our settings take effect when we send them, not when the peer
         # acknowledges them: a peer may use a larger frame or window as soon
         # as it has read them (grpcio does), before its ACK reaches us.
@@ -139,13 +170,23 @@ class Connection:
         try:
             while True:
                 with self.lock:
-                    items = [p for p in self.pending if p]
+                    items = self.pending
                     self.pending = []
                     if not items:
                         self.send_lock.release()   # under the lock: a racing appender sees it free
                         held = False
                         return
-                self.stream.write(items)
+                batch = []
+                for item in items:
+                    if isinstance(item, _Own):
+                        if batch:
+                            self.stream.write(batch)
+                            batch = []
+                        self.stream.write(item.view)
+                    elif item:
+                        batch.append(item)
+                if batch:
+                    self.stream.write(batch)
         except errors.FabricError as e:
             self._fail(f"write failed: {e}")
             if block:
@@ -213,6 +254,9 @@ class Connection:
                      deadline: float | None = None) -> None:
         """A length-prefixed gRPC message, cut to the peer's windows and frame size."""
         view = memoryview(payload).cast("B")
+        if view.nbytes >= FAST_DATA_MIN and self.fast_data:
+            self._send_large(call, view, end_stream, deadline)
+            return
         if view.nbytes <= SMALL_MESSAGE:
             pieces = [memoryview(_wire.prefix(view.nbytes) + view.tobytes())]    # one DATA frame
         else:
@@ -252,6 +296,64 @@ class Connection:
                     break
         self._flush_app()
 
+    def _window(self, call: CallStream, deadline) -> int:
+        """(lock held) Bytes we may send on call now; waits for WINDOW_UPDATE.
+        Returns 0 if queued bytes must be written before waiting."""
+        while True:
+            self._check_call(call)
+            window = self.h2.local_flow_control_window(call.id)
+            if window > 0:
+                return window
+            if self.pending:
+                return 0
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError("deadline exceeded while waiting for flow control")
+            self.window_cond.wait(left)
+
+    def _send_large(self, call: CallStream, view: memoryview, end_stream: bool, deadline) -> None:
+        """DATA frames written by us, straight from the caller's buffer: each
+        frame's header (with the message prefix in the first) is one stream
+        write and its payload another, so the fabric moves the payload by
+        rendezvous without a copy. h2's state machine and windows are kept
+        exactly as its own send_data would."""
+        from h2.connection import ConnectionInputs
+        from h2.stream import StreamInputs
+        prefix = _wire.prefix(view.nbytes)
+        first = True
+        while view.nbytes or first:
+            with self.lock:
+                window = self._window(call, deadline)
+                while window and first and min(window, self.h2.max_outbound_frame_size) < len(prefix):
+                    self.window_cond.wait(None if deadline is None else max(deadline - time.monotonic(), 0))
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise TimeoutError("deadline exceeded while waiting for flow control")
+                    window = self._window(call, deadline)
+                if window:
+                    room = min(window, self.h2.max_outbound_frame_size)
+                    head = len(prefix) if first else 0
+                    n = min(room - head, view.nbytes)
+                    if n < 0:
+                        n = 0
+                    length = head + n
+                    stream = self.h2._get_stream_by_id(call.id)
+                    self.h2.state_machine.process_input(ConnectionInputs.SEND_DATA)
+                    stream.state_machine.process_input(StreamInputs.SEND_DATA)
+                    stream.outbound_flow_control_window -= length
+                    self.h2.outbound_flow_control_window -= length
+                    self._queue()                     # anything h2 had queued goes first
+                    self.pending.append(frame_header(length, DATA, 0, call.id) + (prefix if first else b""))
+                    self.counters["fast_data_frames_sent"] += 1
+                    if n:
+                        self.pending.append(_Own(view[:n]))
+                    view = view[n:]
+                    first = False
+            self.flush(block=True)
+        if end_stream:
+            self.end_stream(call)
+        else:
+            self._flush_app()
+
     def end_stream(self, call: CallStream) -> None:
         with self.lock:
             self._check_call(call)
@@ -285,6 +387,8 @@ class Connection:
 
     # ------------------------------------------------------------ reading
     def _read_loop(self):
+        if self.fast_data and hasattr(self.stream, "read_into"):
+            return self._read_loop_framed()
         try:
             while True:
                 data = self.stream.read_message()
@@ -313,6 +417,171 @@ class Connection:
         except Exception as e:  # pragma: no cover - a bug; fail loudly, not silently
             self._fail(f"internal error in the HTTP/2 reader: {e!r}")
             raise
+
+    def _feed_h2(self, chunks) -> bool:
+        """Hand bytes to h2 and act on its events; False once the connection is dead."""
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        callbacks = []
+        with self.lock:
+            try:
+                events = self.h2.receive_data(data)
+            except h2.exceptions.ProtocolError as e:
+                self._queue()
+                self.dead = f"HTTP/2 protocol error from the peer: {e}"
+                events = []
+            for ev in events:
+                self._handle(ev, callbacks)
+            self._queue()
+        for cb in callbacks:
+            cb()
+        self.flush(block=False)
+        if self.dead is not None:
+            self._fail(self.dead)
+            return False
+        return True
+
+    def _read_loop_framed(self):
+        """The reader for fabric streams: frames are cut here; large DATA
+        frames of open calls are received by us (into the message's final
+        buffer, pulled there by the fabric), everything else goes to h2 in
+        order, as bytes."""
+        buf = memoryview(b"")
+        to_h2 = []
+        preface = 0 if self.client_side else 24      # a client's connection preface precedes its frames
+        try:
+            while True:
+                if preface:
+                    if len(buf) >= preface:
+                        to_h2.append(buf[:preface])
+                        buf = buf[preface:]
+                        preface = 0
+                        continue
+                    more = self.stream.read_message()
+                    if more is None:
+                        self._fail("the peer closed the connection")
+                        return
+                    buf = memoryview(bytes(buf) + bytes(more))
+                    continue
+                if len(buf) < 9:
+                    if to_h2:
+                        if not self._feed_h2(to_h2):
+                            return
+                        to_h2 = []
+                    more = self.stream.read_message()
+                    if more is None:
+                        self._fail("the peer closed the connection")
+                        return
+                    buf = memoryview(bytes(buf) + bytes(more)) if len(buf) else memoryview(more).cast("B")
+                    continue
+                length, ftype, flags, sid = parse_frame_header(buf)
+                if (ftype == DATA and length >= FAST_DATA_MIN and not flags & (PADDED_FLAG | END_STREAM_FLAG)
+                        and length <= self.h2.max_inbound_frame_size):
+                    call = self.calls.get(sid)
+                    if call is not None and call.failure is None:
+                        if to_h2:
+                            if not self._feed_h2(to_h2):
+                                return
+                            to_h2 = []
+                        buf = self._fast_data(call, length, buf[9:])
+                        if buf is None:
+                            return
+                        continue
+                while len(buf) < 9 + length:          # a whole frame for h2
+                    more = self.stream.read_message()
+                    if more is None:
+                        self._fail("the peer closed the connection")
+                        return
+                    buf = memoryview(bytes(buf) + bytes(more))
+                to_h2.append(buf[:9 + length])
+                buf = buf[9 + length:]
+        except errors.FabricError as e:
+            self._fail(f"read failed: {e}")
+        except Exception as e:  # pragma: no cover - a bug; fail loudly, not silently
+            self._fail(f"internal error in the HTTP/2 reader: {e!r}")
+            raise
+
+    def _fast_data(self, call: CallStream, length: int, rest: memoryview):
+        """Receive one large DATA frame of call: h2's windows and stream state
+        are charged as h2 would, the payload goes to the call's assembler
+        (straight into the message buffer where it can). Returns what is left
+        of the current read, or None if the connection died."""
+        from h2.connection import ConnectionInputs
+        from h2.stream import StreamInputs
+        with self.lock:
+            try:
+                self.h2.state_machine.process_input(ConnectionInputs.RECV_DATA)
+                self.h2._inbound_flow_control_window_manager.window_consumed(length)
+                stream = self.h2._get_stream_by_id(call.id)
+                stream.state_machine.process_input(StreamInputs.RECV_DATA)
+                stream._inbound_window_manager.window_consumed(length)
+            except (h2.exceptions.ProtocolError, h2.exceptions.StreamClosedError) as e:
+                self.dead = f"HTTP/2 protocol error from the peer: {e!r}"
+        if self.dead is not None:
+            self._fail(self.dead)
+            return None
+        self.counters["fast_data_frames_received"] += 1
+        asm = call.assembler
+        left = length
+        failure = None
+        try:
+            while left:
+                if len(rest):
+                    take = min(left, len(rest))
+                    self._deliver(call, asm.feed(rest[:take]))
+                    rest = rest[take:]
+                    left -= take
+                    continue
+                target = asm.direct_target(left)
+                if target is not None and len(target):
+                    n = self.stream.read_into(target)
+                    if n == 0:
+                        self._fail("the peer closed the connection")
+                        return None
+                    asm.advance(n)
+                    left -= n
+                    self._deliver(call, asm.take_done())
+                    continue
+                more = self.stream.read_message()
+                if more is None:
+                    self._fail("the peer closed the connection")
+                    return None
+                rest = memoryview(more).cast("B")
+        except _wire.WireError as e:
+            failure = e
+        with self.lock:
+            call.unacked += length
+            if failure is not None and call.failure is None:
+                call.failure = failure
+            if call.queued_bytes <= QUEUED_HIGH_WATER:
+                self.ack(call)
+            callbacks = []
+            self._notify(call, callbacks)
+        if failure is not None:
+            self.reset(call, h2.errors.ErrorCodes.CANCEL)
+            # the rest of this frame's payload is still on the stream: drop it
+            while left:
+                if len(rest):
+                    take = min(left, len(rest))
+                    rest, left = rest[take:], left - take
+                    continue
+                more = self.stream.read_message()
+                if more is None:
+                    self._fail("the peer closed the connection")
+                    return None
+                rest = memoryview(more).cast("B")
+        for cb in callbacks:
+            cb()
+        self.flush(block=False)
+        return rest
+
+    def _deliver(self, call: CallStream, messages) -> None:
+        if not messages:
+            return
+        with self.lock:
+            for msg in messages:
+                call.messages.append(msg)
+                call.queued_bytes += len(msg)
+            call.cond.notify_all()
 
     def _handle(self, ev, callbacks):
         """(lock held) One h2 event."""

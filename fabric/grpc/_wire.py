@@ -37,21 +37,27 @@ def prefix(length: int, compressed: bool = False) -> bytes:
 
 class MessageAssembler:
     """Cuts DATA payloads into gRPC messages; refuses a message above
-    max_length before buffering it (the sender learns RESOURCE_EXHAUSTED)."""
+    max_length before buffering it (the sender learns RESOURCE_EXHAUSTED).
+    A large message is assembled in one buffer of its final size, which a
+    reader can also fill directly (direct_target / advance: the fabric pulls
+    the payload straight into it)."""
+
+    DIRECT_MIN = 64 << 10
 
     def __init__(self, max_length: int):
         self.max_length = max_length
-        self._buf = bytearray()
+        self._buf = bytearray()          # prefix bytes, or a small message's bytes
         self._need = None                # length of the message being assembled
-        self._flag = 0
+        self._dest = None                # large message: its final buffer
+        self._fill = 0
+        self._done = []
 
     @property
     def partial(self) -> bool:
         return bool(self._buf) or self._need is not None
 
     def feed(self, data) -> list:
-        """Complete messages (bytes or memoryview) found after adding data."""
-        out = []
+        """Complete messages (bytes, bytearray or memoryview) after adding data."""
         view = memoryview(data).cast("B")
         while view.nbytes:
             if self._need is None:
@@ -66,11 +72,17 @@ class MessageAssembler:
                         break
                     flag, length = PREFIX.unpack_from(self._buf)
                     self._buf.clear()
-                self._check(flag, length)
-                self._need, self._flag = length, flag
+                self._start(flag, length)
+                continue
+            if self._dest is not None:
+                take = min(self._need - self._fill, view.nbytes)
+                self._dest[self._fill:self._fill + take] = view[:take]
+                view = view[take:]
+                self.advance(take)
+                continue
             if not self._buf and view.nbytes >= self._need:
                 # the whole message inside this payload: no copy
-                out.append(view[:self._need])
+                self._done.append(view[:self._need])
                 view = view[self._need:]
                 self._need = None
                 continue
@@ -78,10 +90,39 @@ class MessageAssembler:
             self._buf += view[:take]
             view = view[take:]
             if len(self._buf) == self._need:
-                out.append(bytes(self._buf))
+                self._done.append(bytes(self._buf))
                 self._buf = bytearray()
                 self._need = None
-        return out
+        return self.take_done()
+
+    def _start(self, flag: int, length: int):
+        self._check(flag, length)
+        self._need = length
+        if length == 0:
+            self._done.append(b"")
+            self._need = None
+        elif length >= self.DIRECT_MIN:
+            self._dest = bytearray(length)
+            self._fill = 0
+
+    def direct_target(self, limit: int):
+        """Where the next payload bytes of a large message go (a writable
+        view of at most limit bytes), or None if not inside one."""
+        if self._dest is None:
+            return None
+        return memoryview(self._dest)[self._fill:self._fill + min(limit, self._need - self._fill)]
+
+    def advance(self, n: int):
+        """n bytes were written into direct_target()."""
+        self._fill += n
+        if self._fill == self._need:
+            self._done.append(self._dest)
+            self._dest = None
+            self._need = None
+
+    def take_done(self) -> list:
+        done, self._done = self._done, []
+        return done
 
     def _check(self, flag: int, length: int):
         if flag not in (0, 1):
