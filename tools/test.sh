@@ -14,7 +14,7 @@ if why=$(.venv/bin/python tools/softroce.py --check 2>&1); then
     echo "== Soft-RoCE: the verbs suites inside a QEMU guest with rxe0"
     .venv/bin/python tools/softroce.py --timeout 1500 -- env FABRIC_TEST_BACKENDS=verbs \
         .venv/bin/python -m pytest -p no:cacheprovider "$@" \
-        tests/test_endpoint.py tests/test_asyncio.py tests/test_stream.py tests/test_verbs.py
+        tests/test_endpoint.py tests/test_asyncio.py tests/test_stream.py tests/test_grpc.py tests/test_verbs.py
     guest=$?
     [ "$guest" = 5 ] && guest=0      # a -k filter can leave nothing to run in the guest
 else
