@@ -22,6 +22,7 @@ medians. ucx runs with UCX_TLS from --ucx-tls (default sm: same host).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import platform
@@ -40,6 +41,7 @@ from bench import models  # noqa: E402
 
 INDEX = struct.Struct("<I")
 MAX_GRPC = (1 << 31) - 1
+GRPC_WINDOW = 64
 
 
 def tensor_sizes(model: str) -> list[int]:
@@ -145,12 +147,15 @@ class GrpcWorker:
         self.index = [INDEX.pack(i) for i in range(len(sizes))]
 
     def round(self, indexes):
-        pushes = [self.push.future(self.grads[i]) for i in indexes]
-        pulls = [self.pull.future(self.index[i]) for i in indexes]
-        for f in pushes:
-            f.result()
-        for f in pulls:
-            f.result()
+        # every push, then every pull, as futures; at most WINDOW unanswered
+        # (thousands of simultaneous calls made grpcio cancel some)
+        pending = collections.deque()
+        for f, arg in [(self.push, self.grads[i]) for i in indexes] + [(self.pull, self.index[i]) for i in indexes]:
+            pending.append(f.future(arg))
+            if len(pending) >= GRPC_WINDOW:
+                pending.popleft().result()
+        while pending:
+            pending.popleft().result()
 
     def close(self):
         self.channel.close()

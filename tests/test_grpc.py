@@ -339,3 +339,40 @@ def test_large_messages_over_fabric_bypass_h2_byte_handling():
             assert counters["fast_data_frames_sent"] >= 1 and counters["fast_data_frames_received"] >= 1
     finally:
         server.stop(0)
+
+
+@pytest.mark.timeout(60)
+def test_garbage_closes_only_that_connection():
+    """Bytes that are not HTTP/2 (on plain TCP and on a fabric stream) close
+    that connection; the server keeps serving everyone else."""
+    import socket
+    servicer = servicer_class()()
+    server = fgrpc.server(futures.ThreadPoolExecutor(4))
+    pb_grpc.add_TestServiceServicer_to_server(servicer, server)
+    plain = server.add_insecure_port("127.0.0.1:0")
+    fab_port = server.add_insecure_port("fabric+tcp://127.0.0.1:0")
+    server.start()
+    try:
+        s = socket.create_connection(("127.0.0.1", plain), timeout=10)
+        s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + os.urandom(4096))
+        s.settimeout(10)
+        while s.recv(65536):              # the server answers (GOAWAY) and closes
+            pass
+        s.close()
+        preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+        for junk in (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + os.urandom(64),      # not HTTP/2 at all
+                     preface + b"\x00\x00\x04\x00\x00\x00\x00\x00\x00abcd"):  # DATA on stream 0
+            stream = fabric.Fabric("tcp").connect_stream(f"127.0.0.1:{fab_port}", timeout=10)
+            stream.write(junk)
+            started = time.monotonic()
+            with pytest.raises(fabric.FabricError):
+                while stream.read(timeout=10):         # the server's SETTINGS / GOAWAY, then closed
+                    pass
+                raise fabric.ConnectionClosed("end of stream")
+            assert time.monotonic() - started < 5
+            stream.close()
+        for target in (f"127.0.0.1:{plain}", f"fabric+tcp://127.0.0.1:{fab_port}"):
+            with fgrpc.insecure_channel(target) as channel:
+                assert isinstance(pb_grpc.TestServiceStub(channel).EmptyCall(pb.Empty(), timeout=10), pb.Empty)
+    finally:
+        server.stop(0)

@@ -457,7 +457,8 @@ class Connection:
             while True:
                 if preface:
                     if len(buf) >= preface:
-                        to_h2.append(buf[:preface])
+                        if not self._feed_h2([buf[:preface]]):      # h2 checks it now
+                            return
                         buf = buf[preface:]
                         preface = 0
                         continue
@@ -491,12 +492,17 @@ class Connection:
                         if buf is None:
                             return
                         continue
-                while len(buf) < 9 + length:          # a whole frame for h2
-                    more = self.stream.read_message()
-                    if more is None:
-                        self._fail("the peer closed the connection")
-                        return
-                    buf = memoryview(bytes(buf) + bytes(more))
+                if len(buf) < 9 + length:             # a frame spread over several reads: gather it
+                    frame = bytearray(9 + length)
+                    frame[:len(buf)] = buf
+                    have = len(buf)
+                    while have < len(frame):
+                        n = self.stream.read_into(memoryview(frame)[have:])
+                        if n == 0:
+                            self._fail("the peer closed the connection")
+                            return
+                        have += n
+                    buf = memoryview(frame)
                 to_h2.append(buf[:9 + length])
                 buf = buf[9 + length:]
         except errors.FabricError as e:
