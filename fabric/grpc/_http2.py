@@ -74,7 +74,7 @@ class CallStream:
     def __init__(self, conn: "Connection", stream_id: int, max_receive: int):
         self.conn = conn
         self.id = stream_id
-        self.cond = threading.Condition(conn.lock)
+        self.cond = conn.cond
         self.headers = None                 # initial headers (list of pairs)
         self.trailers = None                # trailers (list of pairs)
         self.messages = collections.deque()
@@ -90,17 +90,8 @@ class CallStream:
     # -- receive side (application threads)
     def wait(self, predicate, deadline: float | None) -> bool:
         """Wait (lock held by caller) until predicate() or an ending; False on deadline."""
-        while not predicate():
-            if self.failure is not None or self.reset_code is not None:
-                return True
-            if deadline is None:
-                self.cond.wait()
-            else:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self.cond.wait(left)
-        return True
+        return self.conn.await_(lambda: predicate() or self.failure is not None or self.reset_code is not None,
+                                deadline)
 
     def take_message(self):
         """Pop one message (lock held); reopen the window if we were holding it."""
@@ -113,7 +104,7 @@ class CallStream:
 
 class Connection:
     def __init__(self, stream, client_side: bool, max_receive: int = _wire.DEFAULT_MAX_RECEIVE,
-                 on_request=None, on_close=None, name: str = "fabric.grpc"):
+                 on_request=None, on_close=None, name: str = "fabric.grpc", callers_read: bool = False):
         self.stream = stream
         self.client_side = client_side
         self.max_receive = max_receive
@@ -121,7 +112,9 @@ class Connection:
         self.on_close = on_close
         self.lock = threading.Lock()
         self.send_lock = threading.Lock()
-        self.window_cond = threading.Condition(self.lock)
+        self.read_lock = threading.Lock()       # the reader role
+        self.cond = threading.Condition(self.lock)
+        self.window_cond = self.cond            # one condition: every waiter rechecks after progress
         self.pending = []
         self.calls: dict[int, CallStream] = {}
         self.dead = None                    # reason, once failed
@@ -153,8 +146,42 @@ class Connection:
             self.h2.increment_flow_control_window(CONNECTION_WINDOW - 65535)
             self.pending.append(self.h2.data_to_send())
         self.flush(block=True)
-        self.reader = threading.Thread(target=self._read_loop, name=f"{name}-reader", daemon=True)
-        self.reader.start()
+        if self.fast_data and hasattr(stream, "read_into"):
+            self.reader = _FramedReader(self)
+        else:
+            self.reader = _PlainReader(self)
+        # callers_read: no reader thread; whichever application thread waits
+        # reads for everyone (no hand-off between a reader thread and the
+        # caller on the way of every response). Needs a stream whose reads
+        # take a timeout (fabric streams); a connection nobody waits on is
+        # not read until someone does.
+        self.callers_read = callers_read and isinstance(self.reader, _FramedReader)
+        if not self.callers_read:
+            self.reader_thread = threading.Thread(target=self._read_loop, name=f"{name}-reader", daemon=True)
+            self.reader_thread.start()
+
+    # ------------------------------------------------------------ waiting
+    def await_(self, predicate, deadline: float | None) -> bool:
+        """(lock held) Wait until predicate(); False on deadline. With
+        callers_read, the waiting thread reads for everyone while nobody else
+        does."""
+        while not predicate():
+            if self.dead is not None:
+                return predicate()
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            if self.callers_read and self.read_lock.acquire(blocking=False):
+                self.lock.release()
+                try:
+                    self.reader.step(READ_SLICE if left is None else min(left, READ_SLICE))
+                finally:
+                    self.read_lock.release()
+                    self.lock.acquire()
+                    self.cond.notify_all()          # the role is free; progress may concern others
+                continue
+            self.cond.wait(left)
+        return True
 
     # ------------------------------------------------------------ writing
     def cork(self):
@@ -230,7 +257,8 @@ class Connection:
                     raise ConnectionFailed("the server is going away (GOAWAY)")
                 if self.h2.open_outbound_streams < self.h2.remote_settings.max_concurrent_streams:
                     break
-                self.window_cond.wait(1.0)
+                self.await_(lambda: self.dead is not None or self.h2.open_outbound_streams
+                            < self.h2.remote_settings.max_concurrent_streams, time.monotonic() + 1.0)
             sid = self.h2.get_next_available_stream_id()
             call = CallStream(self, sid, self.max_receive)
             self.calls[sid] = call
@@ -279,10 +307,8 @@ class Connection:
                         if self.pending:
                             must_flush = True       # let the peer see what we have before we wait
                             break
-                        left = None if deadline is None else deadline - time.monotonic()
-                        if left is not None and left <= 0:
+                        if not self._await_window(call, deadline):
                             raise TimeoutError("deadline exceeded while waiting for flow control")
-                        self.window_cond.wait(left)
                     if not must_flush:
                         n = min(window, self.h2.max_outbound_frame_size, piece.nbytes)
                         done = n == piece.nbytes
@@ -311,10 +337,19 @@ class Connection:
                 return window
             if self.pending:
                 return 0
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
+            if not self._await_window(call, deadline):
                 raise TimeoutError("deadline exceeded while waiting for flow control")
-            self.window_cond.wait(left)
+
+    def _await_window(self, call: CallStream, deadline) -> bool:
+        """(lock held) Wait for send window on call (or its end); False on deadline."""
+        def ready():
+            if self.dead is not None or call.reset_code is not None or call.failure is not None:
+                return True
+            try:
+                return self.h2.local_flow_control_window(call.id) > 0
+            except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError, KeyError):
+                return True
+        return self.await_(ready, deadline)
 
     def _send_large(self, call: CallStream, view: memoryview, end_stream: bool, deadline) -> None:
         """DATA frames written by us, straight from the caller's buffer: each
@@ -330,8 +365,9 @@ class Connection:
             with self.lock:
                 window = self._window(call, deadline)
                 while window and first and min(window, self.h2.max_outbound_frame_size) < len(prefix):
-                    self.window_cond.wait(None if deadline is None else max(deadline - time.monotonic(), 0))
-                    if deadline is not None and time.monotonic() >= deadline:
+                    if not self.await_(lambda: self.dead is not None or call.reset_code is not None or min(
+                            self.h2.local_flow_control_window(call.id), self.h2.max_outbound_frame_size)
+                            >= len(prefix), deadline):
                         raise TimeoutError("deadline exceeded while waiting for flow control")
                     window = self._window(call, deadline)
                 if window:
@@ -392,36 +428,10 @@ class Connection:
 
     # ------------------------------------------------------------ reading
     def _read_loop(self):
-        if self.fast_data and hasattr(self.stream, "read_into"):
-            return self._read_loop_framed()
-        try:
-            while True:
-                data = self.stream.read_message()
-                if data is None:
-                    self._fail("the peer closed the connection")
-                    return
-                callbacks = []
-                with self.lock:
-                    try:
-                        events = self.h2.receive_data(data)
-                    except h2.exceptions.ProtocolError as e:
-                        self._queue()
-                        self.dead = f"HTTP/2 protocol error from the peer: {e}"
-                        events = []
-                    for ev in events:
-                        self._handle(ev, callbacks)
-                    self._queue()
-                for cb in callbacks:
-                    cb()
-                self.flush(block=False)
-                if self.dead is not None:
-                    self._fail(self.dead)
-                    return
-        except errors.FabricError as e:
-            self._fail(f"read failed: {e}")
-        except Exception as e:  # pragma: no cover - a bug; fail loudly, not silently
-            self._fail(f"internal error in the HTTP/2 reader: {e!r}")
-            raise
+        """The reader thread: holds the reader role for the connection's life."""
+        with self.read_lock:
+            while self.dead is None:
+                self.reader.step(None)
 
     def _feed_h2(self, chunks) -> bool:
         """Hand bytes to h2 and act on its events; False once the connection is dead."""
@@ -444,72 +454,6 @@ class Connection:
             self._fail(self.dead)
             return False
         return True
-
-    def _read_loop_framed(self):
-        """The reader for fabric streams: frames are cut here; large DATA
-        frames of open calls are received by us (into the message's final
-        buffer, pulled there by the fabric), everything else goes to h2 in
-        order, as bytes."""
-        buf = memoryview(b"")
-        to_h2 = []
-        preface = 0 if self.client_side else 24      # a client's connection preface precedes its frames
-        try:
-            while True:
-                if preface:
-                    if len(buf) >= preface:
-                        if not self._feed_h2([buf[:preface]]):      # h2 checks it now
-                            return
-                        buf = buf[preface:]
-                        preface = 0
-                        continue
-                    more = self.stream.read_message()
-                    if more is None:
-                        self._fail("the peer closed the connection")
-                        return
-                    buf = memoryview(bytes(buf) + bytes(more))
-                    continue
-                if len(buf) < 9:
-                    if to_h2:
-                        if not self._feed_h2(to_h2):
-                            return
-                        to_h2 = []
-                    more = self.stream.read_message()
-                    if more is None:
-                        self._fail("the peer closed the connection")
-                        return
-                    buf = memoryview(bytes(buf) + bytes(more)) if len(buf) else memoryview(more).cast("B")
-                    continue
-                length, ftype, flags, sid = parse_frame_header(buf)
-                if (ftype == DATA and length >= FAST_DATA_MIN and not flags & (PADDED_FLAG | END_STREAM_FLAG)
-                        and length <= self.h2.max_inbound_frame_size):
-                    call = self.calls.get(sid)
-                    if call is not None and call.failure is None:
-                        if to_h2:
-                            if not self._feed_h2(to_h2):
-                                return
-                            to_h2 = []
-                        buf = self._fast_data(call, length, buf[9:])
-                        if buf is None:
-                            return
-                        continue
-                if len(buf) < 9 + length:             # a frame spread over several reads: gather it
-                    frame = bytearray(9 + length)
-                    frame[:len(buf)] = buf
-                    have = len(buf)
-                    while have < len(frame):
-                        n = self.stream.read_into(memoryview(frame)[have:])
-                        if n == 0:
-                            self._fail("the peer closed the connection")
-                            return
-                        have += n
-                    buf = memoryview(frame)
-                to_h2.append(buf[:9 + length])
-                buf = buf[9 + length:]
-        except errors.FabricError as e:
-            self._fail(f"read failed: {e}")
-        except Exception as e:  # pragma: no cover - a bug; fail loudly, not silently
-            self._fail(f"internal error in the HTTP/2 reader: {e!r}")
-            raise
 
     def _fast_data(self, call: CallStream, length: int, rest: memoryview):
         """Receive one large DATA frame of call: h2's windows and stream state
@@ -726,3 +670,106 @@ class _Cork:
                 if exc[0] is None:
                     raise
         return False
+
+
+READ_SLICE = 0.05        # seconds a caller reads before rechecking its own deadline
+
+
+class _PlainReader:
+    """Reads a byte stream without message boundaries (TCP sockets): all to h2."""
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def step(self, timeout) -> bool:
+        c = self.conn
+        try:
+            data = c.stream.read_message()
+        except errors.FabricError as e:
+            c._fail(f"read failed: {e}")
+            return False
+        if data is None:
+            c._fail("the peer closed the connection")
+            return False
+        try:
+            return c._feed_h2([data])
+        except Exception as e:  # pragma: no cover - a bug; fail loudly, not silently
+            c._fail(f"internal error in the HTTP/2 reader: {e!r}")
+            raise
+
+
+class _FramedReader:
+    """Reads a fabric stream: frames are cut here; large DATA frames of open
+    calls are received by the connection itself (into the message's final
+    buffer, pulled there by the fabric); everything else goes to h2 in order."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.buf = memoryview(b"")
+        self.preface = 0 if conn.client_side else 24     # a client's connection preface precedes its frames
+
+    def step(self, timeout) -> bool:
+        c = self.conn
+        try:
+            more = c.stream.read_message(timeout)
+        except errors.Timeout:
+            return True
+        except errors.FabricError as e:
+            c._fail(f"read failed: {e}")
+            return False
+        if more is None:
+            c._fail("the peer closed the connection")
+            return False
+        more = memoryview(more).cast("B")
+        self.buf = memoryview(bytes(self.buf) + bytes(more)) if len(self.buf) else more
+        try:
+            return self._process()
+        except errors.FabricError as e:
+            c._fail(f"read failed: {e}")
+            return False
+        except Exception as e:  # pragma: no cover - a bug; fail loudly, not silently
+            c._fail(f"internal error in the HTTP/2 reader: {e!r}")
+            raise
+
+    def _process(self) -> bool:
+        c = self.conn
+        buf = self.buf
+        to_h2 = []
+        if self.preface:
+            if len(buf) < self.preface:
+                return True
+            if not c._feed_h2([buf[:self.preface]]):      # h2 checks it now
+                return False
+            buf = buf[self.preface:]
+            self.preface = 0
+        while len(buf) >= 9:
+            length, ftype, flags, sid = parse_frame_header(buf)
+            if (ftype == DATA and length >= FAST_DATA_MIN and not flags & (PADDED_FLAG | END_STREAM_FLAG)
+                    and length <= c.h2.max_inbound_frame_size):
+                call = c.calls.get(sid)
+                if call is not None and call.failure is None:
+                    if to_h2:
+                        if not c._feed_h2(to_h2):
+                            return False
+                        to_h2 = []
+                    buf = c._fast_data(call, length, buf[9:])
+                    if buf is None:
+                        return False
+                    continue
+            if len(buf) < 9 + length:             # a frame spread over several reads: gather it
+                frame = bytearray(9 + length)
+                frame[:len(buf)] = buf
+                have = len(buf)
+                while have < len(frame):
+                    n = c.stream.read_into(memoryview(frame)[have:])
+                    if n == 0:
+                        c._fail("the peer closed the connection")
+                        return False
+                    have += n
+                buf = memoryview(frame)
+            to_h2.append(buf[:9 + length])
+            buf = buf[9 + length:]
+        self.buf = buf
+        if to_h2:
+            return c._feed_h2(to_h2)
+        return True
