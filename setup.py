@@ -66,6 +66,7 @@ extensions = [
     ext("fabric.backends.tcp"),
     ext("fabric.protocol.frame"),
     ext("fabric.protocol.engine"),
+    ext("fabric._buffers"),
 ]
 
 if os.path.exists("/usr/include/infiniband/verbs.h") and os.environ.get("FABRIC_VERBS", "auto") != "off":

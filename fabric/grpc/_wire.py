@@ -9,6 +9,8 @@ from urllib.parse import quote, unquote
 
 import grpc
 
+from fabric._buffers import new_bytes
+
 PREFIX = struct.Struct(">BI")          # compressed flag, message length
 PREFIX_SIZE = PREFIX.size
 DEFAULT_MAX_RECEIVE = 4 * 1024 * 1024  # grpcio's default
@@ -48,7 +50,8 @@ class MessageAssembler:
         self.max_length = max_length
         self._buf = bytearray()          # prefix bytes, or a small message's bytes
         self._need = None                # length of the message being assembled
-        self._dest = None                # large message: its final buffer
+        self._dest = None                # large message: its final bytes object ...
+        self._dest_view = None           # ... and a writable view of it while it fills
         self._fill = 0
         self._done = []
 
@@ -76,7 +79,7 @@ class MessageAssembler:
                 continue
             if self._dest is not None:
                 take = min(self._need - self._fill, view.nbytes)
-                self._dest[self._fill:self._fill + take] = view[:take]
+                self._dest_view[self._fill:self._fill + take] = view[:take]
                 view = view[take:]
                 self.advance(take)
                 continue
@@ -102,7 +105,7 @@ class MessageAssembler:
             self._done.append(b"")
             self._need = None
         elif length >= self.DIRECT_MIN:
-            self._dest = bytearray(length)
+            self._dest, self._dest_view = new_bytes(length)
             self._fill = 0
 
     def direct_target(self, limit: int):
@@ -110,14 +113,14 @@ class MessageAssembler:
         view of at most limit bytes), or None if not inside one."""
         if self._dest is None:
             return None
-        return memoryview(self._dest)[self._fill:self._fill + min(limit, self._need - self._fill)]
+        return self._dest_view[self._fill:self._fill + min(limit, self._need - self._fill)]
 
     def advance(self, n: int):
         """n bytes were written into direct_target()."""
         self._fill += n
         if self._fill == self._need:
-            self._done.append(self._dest)
-            self._dest = None
+            self._done.append(self._dest)          # bytes, complete: no more writes through the view
+            self._dest = self._dest_view = None
             self._need = None
 
     def take_done(self) -> list:
