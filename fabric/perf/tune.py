@@ -6,9 +6,9 @@ interleaved; medians decide):
   1. eager_limit: the largest size up to which eager is at least as fast as
      rendezvous, in round trip and in streaming, at that size and every
      smaller one (sizes 4 KiB .. 1 MiB).
-  2. chunk_size x chunks_in_flight: streaming bandwidth of 4, 16 and 64 MiB
-     messages (geometric mean).
-  3. coalesce_limit: rate of 64 B and 1 KiB messages from blocking sends.
+  2. chunk_size x chunks_in_flight: streaming bandwidth and round trip of
+     1 to 64 MiB messages (geometric mean; no figure may get worse).
+  3. coalesce_limit: rate of 64 B, 1 KiB and 4 KiB messages from blocking sends.
 A tuned value replaces the default only if, in the same run, its median
 beats the default's by more than MARGIN and it wins most rounds (loopback
 figures on a shared host swing by 10-20% between rounds); otherwise the
@@ -29,11 +29,11 @@ from fabric.perf.cli import EAGER_MAX, machine_info, pin_self, spawn_peer, versi
 MARGIN = 0.05
 ROUNDS = 5
 CROSSOVER_SIZES = [4096 << k for k in range(9)]           # 4K .. 1M
-CHUNK_SIZES = [512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20]
+CHUNK_SIZES = [1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20]
 CHUNKS_IN_FLIGHT = [1, 2, 4]
-STREAM_SIZES = [4 << 20, 16 << 20, 64 << 20]
+STREAM_SIZES = [1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20, 32 << 20, 64 << 20]   # every size chunking touches
 COALESCE_LIMITS = [16384 + 1024, 65536 + 4096, (256 << 10) + 4096]
-RATE_SIZES = [64, 1024]
+RATE_SIZES = [64, 1024, 4096]
 
 
 class Candidate:
@@ -128,7 +128,11 @@ def tune_chunks(backend, base, scale, say) -> tuple[tuple[int, int], dict]:
     configs.setdefault(default_name, dict(base))
 
     def probe(ep):
-        return {f"bw{s}": measure.run_bw(ep, s, scale * 0.5, window=4)["MBps"] for s in STREAM_SIZES}
+        figures = {f"bw{s}": measure.run_bw(ep, s, scale * 0.25, window=4)["MBps"] for s in STREAM_SIZES}
+        # round trips too (as rates, higher is better): a chunking that streams
+        # faster must not make a single large message slower
+        figures.update({f"rtt_rate{s}": 1e6 / measure.run_lat(ep, s, scale * 0.25)["p50_us"] for s in STREAM_SIZES})
+        return figures
     raw = {}
     res = interleaved(backend, configs, probe, say=say, raw=raw)
     best, scores = decide(raw, default_name, lambda r: geomean(r.values()))
