@@ -601,7 +601,8 @@ class Channel(grpc.Channel):
             timeout = None if deadline is None else max(deadline - time.monotonic(), 0.001)
             stream = _transport.open_stream(self._target, timeout if timeout is not None else 20.0, self._fabric)
             self._conn = _http2.Connection(stream, client_side=True, max_receive=self._max_receive,
-                                           callers_read=True)
+                                           callers_read=True,
+                                           trusted_peer=isinstance(stream, _transport.FabricStreamAdapter))
             for cb in list(self._subscribers):
                 self._pool.submit(cb, grpc.ChannelConnectivity.READY)
             return self._conn

@@ -104,7 +104,8 @@ class CallStream:
 
 class Connection:
     def __init__(self, stream, client_side: bool, max_receive: int = _wire.DEFAULT_MAX_RECEIVE,
-                 on_request=None, on_close=None, name: str = "fabric.grpc", callers_read: bool = False):
+                 on_request=None, on_close=None, name: str = "fabric.grpc", callers_read: bool = False,
+                 trusted_peer: bool = False):
         self.stream = stream
         self.client_side = client_side
         self.max_receive = max_receive
@@ -122,10 +123,13 @@ class Connection:
         self._local = threading.local()
         # Outbound headers are built by fabric.grpc itself (lowercase names, no
         # connection-specific fields), so h2 need not re-check them (that
-        # check costs ~10 us a message); what peers send is still validated.
+        # check costs ~10 us a message). What peers send is validated, except
+        # on fabric streams (trusted_peer): only fabric.grpc speaks there, and
+        # HPACK decoding itself stays strict.
         config = h2.config.H2Configuration(client_side=client_side, header_encoding=None,
                                            validate_outbound_headers=False,
-                                           normalize_outbound_headers=False)
+                                           normalize_outbound_headers=False,
+                                           validate_inbound_headers=not trusted_peer)
         self.h2 = h2.connection.H2Connection(config)
         self.fast_data = fast_data_supported(self.h2)
         self.counters = {"fast_data_frames_sent": 0, "fast_data_frames_received": 0}

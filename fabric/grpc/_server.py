@@ -297,6 +297,7 @@ class Server(grpc.Server):
                 return
             try:
                 conn = _http2.Connection(stream, client_side=False, max_receive=self._max_receive,
+                                         trusted_peer=isinstance(stream, _transport.FabricStreamAdapter),
                                          on_request=self._on_request, on_close=self._on_conn_close,
                                          name="fabric-grpc-server")
             except Exception:
