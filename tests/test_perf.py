@@ -153,3 +153,26 @@ def test_size_classes():
     assert models.size_class(4097) == "4K-64K"
     assert models.size_class(1 << 20) == "64K-1M"
     assert models.size_class(400 << 20) == ">16M"
+
+
+@pytest.mark.timeout(120)
+def test_server_and_connect_modes(tmp_path):
+    """fabric-perf --server on one side, --connect on the other (as across hosts)."""
+    import subprocess
+    server = subprocess.Popen([sys.executable, "-m", "fabric.perf", "--server", "127.0.0.1:0", "-b", "tcp"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        address = server.stdout.readline().strip()
+        assert address.startswith("127.0.0.1:")
+        out = tmp_path / "c.json"
+        assert cli.main(["--connect", address, "-b", "tcp", "-t", "lat,rpc", "-s", "8,4K", "--rpc", "8:4K",
+                         "--scale", "0.01", "--json", str(out)]) == 0
+        doc = json.loads(out.read_text())
+        run = doc["runs"][0]
+        assert run["peer"] == address and run["spawned_peer"] is False
+        assert [r["size"] for r in run["lat"]] == [8, 4096] and run["rpc"][0]["response"] == 4096
+        # a second client after the first left: the server serves one at a time, then the next
+        assert cli.main(["--connect", address, "-b", "tcp", "-t", "lat", "-s", "8", "--scale", "0.01"]) == 0
+    finally:
+        server.kill()
+        server.wait()
