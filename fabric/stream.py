@@ -139,6 +139,15 @@ class Stream:
             else:
                 self.endpoint.isend(data).wait(timeout)
 
+    def write_nowait(self, data):
+        """Start a write and return its fabric.Request at once; the buffers
+        must stay untouched until it is done (pass immutable ones). Writes,
+        waited or not, reach the peer in call order."""
+        with self._writing:
+            if self._write_shut:
+                raise errors.ConnectionClosed("write side of the stream is shut down")
+            return self.endpoint.isend(data)
+
     def shutdown_write(self) -> None:
         with self._writing:
             if not self._write_shut:

@@ -229,3 +229,18 @@ def test_asyncio_forms(backend_name):
         await b.aclose()
         lst.close()
     asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_write_nowait_keeps_call_order(streams):
+    a, b = streams
+    parts = [os.urandom(CHUNK * 2 + 1), b"small", os.urandom(CHUNK + 3), b"tail"]
+    reqs = [a.write_nowait(parts[0])]
+    a.write(parts[1])
+    reqs.append(a.write_nowait(parts[2]))
+    a.write(parts[3])
+    total = sum(len(p) for p in parts)
+    got = read_exactly(b, total)
+    for r in reqs:
+        r.wait(timeout=10)
+    assert got == b"".join(parts)

@@ -96,11 +96,17 @@ def fast_data_supported(conn) -> bool:
 
 class _Own:
     """A pending buffer written as a stream write of its own (so the peer's
-    fabric receives it as one message it can pull straight into place)."""
-    __slots__ = ("view",)
+    fabric receives it as one message it can pull straight into place).
+    detached: the buffer is immutable (bytes), so the write may still be in
+    flight when the sender returns (the view keeps the bytes alive)."""
+    __slots__ = ("view", "detached")
 
-    def __init__(self, view):
+    def __init__(self, view, detached=False):
         self.view = view
+        self.detached = detached
+
+
+MAX_DETACHED_WRITES = 4                  # large writes in flight per connection (sender pipelining)
 
 
 class ConnectionFailed(Exception):
@@ -172,6 +178,7 @@ class Connection:
         self.h2 = h2.connection.H2Connection(config)
         self.fast_data = fast_data_supported(self.h2)
         self.counters = {"fast_data_frames_sent": 0, "fast_data_frames_received": 0}
+        self._writes_in_flight = collections.deque() if hasattr(stream, "write_nowait") else None
         # Our settings take effect when we send them, not when the peer
         # acknowledges them: a peer may use a larger frame or window as soon
         # as it has read them (grpcio does), before its ACK reaches us.
@@ -257,7 +264,14 @@ class Connection:
                         if batch:
                             self.stream.write(batch)
                             batch = []
-                        self.stream.write(item.view)
+                        if item.detached and self._writes_in_flight is not None:
+                            # ordered after everything written before it; the
+                            # next message is framed while the peer pulls this one
+                            while len(self._writes_in_flight) >= MAX_DETACHED_WRITES:
+                                self._writes_in_flight.popleft().wait()
+                            self._writes_in_flight.append(self.stream.write_nowait(item.view))
+                        else:
+                            self.stream.write(item.view)
                     elif item:
                         batch.append(item)
                 if batch:
@@ -331,7 +345,7 @@ class Connection:
         """A length-prefixed gRPC message, cut to the peer's windows and frame size."""
         view = memoryview(payload).cast("B")
         if view.nbytes >= FAST_DATA_MIN and self.fast_data:
-            self._send_large(call, view, end_stream, deadline)
+            self._send_large(call, view, end_stream, deadline, detached=type(payload) is bytes)
             return
         if view.nbytes <= SMALL_MESSAGE:
             pieces = [memoryview(_wire.prefix(view.nbytes) + view.tobytes())]    # one DATA frame
@@ -394,7 +408,8 @@ class Connection:
                 return True
         return self.await_(ready, deadline)
 
-    def _send_large(self, call: CallStream, view: memoryview, end_stream: bool, deadline) -> None:
+    def _send_large(self, call: CallStream, view: memoryview, end_stream: bool, deadline,
+                    detached: bool = False) -> None:
         """DATA frames written by us, straight from the caller's buffer: each
         frame's header (with the message prefix in the first) is one stream
         write and its payload another, so the fabric moves the payload by
@@ -429,7 +444,7 @@ class Connection:
                     self.pending.append(frame_header(length, DATA, 0, call.id) + (prefix if first else b""))
                     self.counters["fast_data_frames_sent"] += 1
                     if n:
-                        self.pending.append(_Own(view[:n]))
+                        self.pending.append(_Own(view[:n], detached))
                     view = view[n:]
                     first = False
             self.flush(block=True)

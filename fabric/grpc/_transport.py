@@ -115,6 +115,12 @@ class FabricStreamAdapter:
     def write(self, buffers) -> None:
         self.stream.write(buffers)
 
+    def write_nowait(self, buffer):
+        """Hand an immutable buffer to the fabric without waiting for the peer
+        to take it; returns a request (wait() raises if the write failed).
+        Writes stay in call order with write()."""
+        return self.stream.write_nowait(buffer)
+
     def close(self) -> None:
         try:
             self.stream.close()
