@@ -30,7 +30,8 @@ from fabric.grpc import _wire
 STREAM_WINDOW = 64 << 20                 # per-stream receive window we offer
 CONNECTION_WINDOW = 256 << 20            # connection receive window we offer
 MAX_FRAME = (1 << 24) - 1                # largest frame we accept (HTTP/2 maximum)
-QUEUED_HIGH_WATER = 16 << 20             # unread complete messages per call before we stop opening its window
+QUEUED_HIGH_WATER = 64 << 20             # unread complete messages per call before we stop opening its window
+PROMPT_WINDOW_UPDATE = 1 << 20           # from this many bytes, window goes back at once
 MAX_CONCURRENT_STREAMS = 1000
 MAX_HEADER_LIST = 64 << 10               # bytes of headers (metadata) per call we accept
 SMALL_MESSAGE = 64 << 10                 # up to this, prefix and message go out as one DATA frame
@@ -295,8 +296,15 @@ class Connection:
         n, call.unacked = call.unacked, 0
         if n and self.dead is None:
             try:
-                self.h2.acknowledge_received_data(n, call.id)
-            except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+                if n >= PROMPT_WINDOW_UPDATE:
+                    # h2 returns window only after half of it was consumed; with
+                    # messages of 16 MiB that stalls a streaming sender every few
+                    # messages. Large amounts go back at once, stream and connection.
+                    self.h2.increment_flow_control_window(n, stream_id=call.id)
+                    self.h2.increment_flow_control_window(n)
+                else:
+                    self.h2.acknowledge_received_data(n, call.id)
+            except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError, h2.exceptions.FlowControlError):
                 pass            # the stream is gone; h2 has settled the connection window
             self._queue()
 
