@@ -32,7 +32,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from bench.p2p import GrpcClient, SocketClient, ZmqClient, start_server  # noqa: E402
+from bench.p2p import FabricClient, GrpcClient, SocketClient, ZmqClient, start_server  # noqa: E402
 
 UCX_VARIANTS = {"tcp": {}, "ucx-tcp": {"UCX_TLS": "tcp"}, "ucx-sm": {"UCX_TLS": "sm"}, "verbs": {}}
 
@@ -42,50 +42,30 @@ def parse_size_list(text):
     return parse_sizes(text)
 
 
-class FabricContender:
+class FabricContender(FabricClient):
+    """bench/p2p's fabric client with its own server process; UCX variants
+    set UCX_TLS for both (UCX reads it when a Fabric opens its context)."""
+
     def __init__(self, variant):
-        import fabric
         backend = "ucx" if variant.startswith("ucx") else variant
         env = UCX_VARIANTS[variant]
         saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)              # UCX reads UCX_TLS when the Fabric opens its context
+        os.environ.update(env)
         try:
             self.proc, address = start_server(f"fabric-{backend}", env_extra=env)
-            self.fab = fabric.Fabric(backend)
-            self.ep = self.fab.connect(address, timeout=30)
+            super().__init__(backend, address)
         finally:
             for k, v in saved.items():
                 if v is None:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-        self.buf = bytearray(64 << 20)
-
-    def rtt(self, payload, n):
-        send, recv_into, buf = self.ep.send, self.ep.recv_into, self.buf
-        t0 = time.perf_counter()
-        for _ in range(n):
-            send(payload)
-            recv_into(buf)
-        return (time.perf_counter() - t0) / n
 
     def stream(self, payload, n, window=8):
-        ep = self.ep
-        payload = b"\x51" + payload[1:]
-        t0 = time.perf_counter()
-        reqs = []
-        for _ in range(n):
-            reqs.append(ep.isend(payload))
-            if len(reqs) >= window:
-                reqs.pop(0).wait()
-        for r in reqs:
-            r.wait()
-        ep.send(b"\xac")
-        ep.recv_into(self.buf)
-        return time.perf_counter() - t0
+        return super().stream(payload, n, window)
 
     def close(self):
-        self.ep.close()
+        super().close()
         self.proc.kill()
         self.proc.wait()
 

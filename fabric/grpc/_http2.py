@@ -562,11 +562,9 @@ class Connection:
                     left -= n
                     self._deliver(call, asm.take_done())
                     continue
-                more = self.stream.read_message()
-                if more is None:
-                    self._fail("the peer closed the connection")
+                rest = self._read_more()
+                if rest is None:
                     return None
-                rest = memoryview(more).cast("B")
         except _wire.WireError as e:
             failure = e
         with self.lock:
@@ -585,15 +583,21 @@ class Connection:
                     take = min(left, len(rest))
                     rest, left = rest[take:], left - take
                     continue
-                more = self.stream.read_message()
-                if more is None:
-                    self._fail("the peer closed the connection")
+                rest = self._read_more()
+                if rest is None:
                     return None
-                rest = memoryview(more).cast("B")
         for cb in callbacks:
             cb()
         self.flush(block=False)
         return rest
+
+    def _read_more(self):
+        """The next read of the stream as bytes, or None (connection failed)."""
+        more = self.stream.read_message()
+        if more is None:
+            self._fail("the peer closed the connection")
+            return None
+        return memoryview(more).cast("B")
 
     def _deliver(self, call: CallStream, messages) -> None:
         if not messages:
