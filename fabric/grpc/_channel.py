@@ -270,6 +270,7 @@ class _Call(grpc.Call, grpc.Future):
             else:
                 msg = None
         if msg is not None:
+            s.sent_acks()
             return msg
         if not ok:
             self._on_deadline()

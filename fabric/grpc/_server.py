@@ -207,6 +207,7 @@ class _RequestIterator:
             msg = s.take_message() if s.messages else None
             failure = s.failure
         if msg is not None:
+            s.sent_acks()
             return _deserialize(ctx, self._deserialize, msg)
         if isinstance(failure, _wire.WireError):
             ctx._code, ctx._details = failure.code, failure.details
@@ -442,6 +443,7 @@ class Server(grpc.Server):
             ok = s.wait(lambda: s.ended or len(s.messages) > 1, ctx._deadline)
             msgs = [s.take_message() for _ in range(len(s.messages))]
             failure = s.failure
+        s.sent_acks()
         if isinstance(failure, _wire.WireError):
             ctx._code, ctx._details = failure.code, failure.details
             raise _Abort()
