@@ -306,17 +306,23 @@ class Connection:
         """(lock held) Return received bytes of call to the peer's windows."""
         n, call.unacked = call.unacked, 0
         if n and self.dead is None:
-            try:
-                if n >= PROMPT_WINDOW_UPDATE:
-                    # h2 returns window only after half of it was consumed; with
-                    # messages of 16 MiB that stalls a streaming sender every few
-                    # messages. Large amounts go back at once, stream and connection.
+            if n >= PROMPT_WINDOW_UPDATE:
+                # h2 returns window only after half of it was consumed; with
+                # messages of 16 MiB that stalls a streaming sender every few
+                # messages. Large amounts go back at once: the connection's
+                # always (even when the stream has closed meanwhile, or the
+                # peer's connection window shrinks for good), the stream's if open.
+                self.h2.increment_flow_control_window(n)
+                try:
                     self.h2.increment_flow_control_window(n, stream_id=call.id)
-                    self.h2.increment_flow_control_window(n)
-                else:
+                except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError,
+                        h2.exceptions.FlowControlError):
+                    pass
+            else:
+                try:
                     self.h2.acknowledge_received_data(n, call.id)
-            except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError, h2.exceptions.FlowControlError):
-                pass            # the stream is gone; h2 has settled the connection window
+                except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+                    pass        # the stream is gone; h2 has settled the connection window
             self._queue()
 
     # ------------------------------------------------------------ calls
