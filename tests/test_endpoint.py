@@ -438,6 +438,54 @@ def test_many_endpoints_on_one_fabric_from_threads(backend_name):
         s.close(linger=0)
 
 
+@pytest.mark.timeout(120)
+def test_connects_and_accepts_race_on_one_fabric(backend_name):
+    """Threads connect to a listener of the same Fabric while another thread
+    accepts: channel set-up on both sides touches the per-Fabric domain at
+    once (a lost reference count freed the RDMA device under live channels)."""
+    fab = fabric.Fabric(backend_name, **small_options())
+    domain = fab._worker.domain
+    base_refs = getattr(domain, "refs", None)
+    lst = fab.listen("127.0.0.1:0")
+    rounds, connectors = 5, 3
+    accepted, clients, errors = [], [], []
+
+    def accept_all():
+        try:
+            for _ in range(rounds * connectors):
+                accepted.append(lst.accept(timeout=30))
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    def connect_some():
+        try:
+            for _ in range(rounds):
+                clients.append(fab.connect(lst.address, timeout=30))
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=accept_all)]
+    threads += [threading.Thread(target=connect_some) for _ in range(connectors)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert not errors, errors
+    assert len(clients) == len(accepted) == rounds * connectors
+    for i, (c, s) in enumerate(zip(clients, accepted)):
+        c.send(b"%d" % i)
+    got = sorted(int(s.recv(timeout=20)) for s in accepted)
+    assert got == list(range(rounds * connectors))
+    if base_refs is not None:
+        # the Fabric's own, the listener's, one per channel
+        assert domain.refs == base_refs + 1 + 2 * rounds * connectors
+    for ep in clients + accepted:
+        ep.close(linger=0)
+    lst.close()
+    if base_refs is not None:
+        assert domain.refs == base_refs
+
+
 @pytest.mark.timeout(60)
 def test_dlpack_tensors_are_sent_without_the_buffer_protocol(pair):
     client, server = pair

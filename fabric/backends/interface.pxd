@@ -139,6 +139,17 @@ cdef inline void reglist_unlink(fab_regnode** head, fab_regnode* node) noexcept 
         node.next.prev = node.prev
 
 
+# Domain reference counts are taken and dropped by threads that do not share
+# a lock (listen() runs without the engine lock), hence atomic.
+cdef extern from *:
+    """
+    static inline void fab_domain_ref(int *refs) { __atomic_add_fetch(refs, 1, __ATOMIC_SEQ_CST); }
+    static inline int fab_domain_unref_last(int *refs) { return __atomic_sub_fetch(refs, 1, __ATOMIC_SEQ_CST) == 0; }
+    """
+    void domain_ref "fab_domain_ref"(int* refs) noexcept nogil
+    bint domain_unref_last "fab_domain_unref_last"(int* refs) noexcept nogil
+
+
 cdef inline uint32_t recv_depth_for(dict options):
     """Receive buffers a channel must keep posted: the credits the engine
     offers its peer, plus the HELLO that arrives before any credit exists."""
@@ -150,10 +161,20 @@ cdef class Backend:
     cdef readonly uint32_t caps
     # `domain` is what open_domain() returned for this Fabric (per-Fabric
     # backend state, such as a UCX context and worker), or None.
+    # Channels and listeners of one domain are created, progressed and closed
+    # by different threads. attach() runs with the GIL and the engine lock
+    # held, so it may touch state the domain shares with live channels
+    # (channel tables, a UCX worker); it must not block. listen() may resolve
+    # a name and runs without the engine lock: it may only take a domain
+    # reference (domain_ref(), atomic).
     cdef fab_listener* listen(self, object domain, str host, int port, dict options) except NULL
-    # Connect (GIL released while waiting) bounded by timeout seconds (<0: none).
-    cdef fab_channel* connect(self, object domain, str host, int port, double timeout,
-                              size_t max_recv, dict options) except NULL
+    # Connecting takes two steps so that waiting for the peer holds no lock.
+    # dial(): a connected bootstrap socket, bounded by timeout seconds (<0:
+    # none), GIL released while waiting, engine lock NOT held; the base class
+    # does it for every socket-bootstrapped backend.
+    cdef int dial(self, object domain, str host, int port, double timeout, dict options) except -1
+    # attach(): the channel on a dialed socket; owns fd (closes it on failure).
+    cdef fab_channel* attach(self, object domain, int fd, size_t max_recv, dict options) except NULL
 
 from fabric._posix cimport snprintf, strerror, EPROTO
 

@@ -1,5 +1,7 @@
 # cython: language_level=3
 """Base class of every backend (see interface.pxd for the contract)."""
+from fabric._posix cimport close
+from fabric.backends.sockets cimport connect_socket, tune_socket
 
 
 cdef class Backend:
@@ -11,8 +13,13 @@ cdef class Backend:
     cdef fab_listener* listen(self, object domain, str host, int port, dict options) except NULL:
         raise NotImplementedError
 
-    cdef fab_channel* connect(self, object domain, str host, int port, double timeout,
-                              size_t max_recv, dict options) except NULL:
+    cdef int dial(self, object domain, str host, int port, double timeout, dict options) except -1:
+        cdef int fd = connect_socket(host, port, timeout)
+        tune_socket(fd, int(options.get("tcp_user_timeout_ms", 30000)), int(options.get("tcp_keepalive_s", 10)))
+        return fd
+
+    cdef fab_channel* attach(self, object domain, int fd, size_t max_recv, dict options) except NULL:
+        close(fd)
         raise NotImplementedError
 
     def open_domain(self, dict options):

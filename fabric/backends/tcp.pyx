@@ -26,7 +26,7 @@ from cpython.bytes cimport PyBytes_AsString
 from fabric._posix cimport *
 from fabric._bytes cimport wr32, wr64, rd32, rd64
 from fabric.backends.interface cimport *
-from fabric.backends.sockets cimport (accept_socket, connect_socket, listen_socket,
+from fabric.backends.sockets cimport (accept_socket, listen_socket,
                                      local_and_peer_names, tune_socket)
 
 cdef enum:
@@ -709,12 +709,8 @@ cdef class TcpBackend(Backend):
         l.keepalive_s = int(options.get("tcp_keepalive_s", 10))
         return &l.base
 
-    cdef fab_channel* connect(self, object domain, str host, int port, double timeout,
-                              size_t max_recv, dict options) except NULL:
-        cdef int fd = connect_socket(host, port, timeout)
-        cdef fab_channel* ch
-        tune_socket(fd, int(options.get("tcp_user_timeout_ms", 30000)), int(options.get("tcp_keepalive_s", 10)))
-        ch = new_channel(fd, max_recv)
+    cdef fab_channel* attach(self, object domain, int fd, size_t max_recv, dict options) except NULL:
+        cdef fab_channel* ch = new_channel(fd, max_recv)
         if ch == NULL:
             close(fd)
             raise MemoryError()

@@ -23,7 +23,7 @@ from posix.uio cimport iovec
 from fabric._posix cimport *
 from fabric._bytes cimport wr32, wr64, rd32, rd64
 from fabric.backends.interface cimport *
-from fabric.backends.sockets cimport (accept_socket, connect_socket, listen_socket,
+from fabric.backends.sockets cimport (accept_socket, listen_socket,
                                      local_and_peer_names, tune_socket)
 
 cdef extern from "ucx_shim.h" nogil:
@@ -227,8 +227,7 @@ UCX_OPS.close = ucx_close
 # ------------------------------------------------------------------ domain
 
 cdef void domain_unref(ucx_domain* d) noexcept nogil:
-    d.refs -= 1
-    if d.refs == 0:
+    if domain_unref_last(&d.refs):
         ucp_worker_destroy(d.worker)
         ucp_cleanup(d.context)
         free(d.chans)
@@ -276,6 +275,12 @@ cdef class UcxDomain:
         if self.d != NULL:
             domain_unref(self.d)
             self.d = NULL
+
+    @property
+    def refs(self):
+        """References held on the domain: its Fabric's, one per live channel
+        and listener (leak and race checks)."""
+        return self.d.refs if self.d != NULL else 0
 
 
 # ------------------------------------------------------------ completions
@@ -905,7 +910,7 @@ cdef fab_channel* new_channel(ucx_domain* d, int sock, size_t max_recv) noexcept
     ch.dom = d
     ch.sock = sock
     ch.state = ST_BOOT
-    d.refs += 1
+    domain_ref(&d.refs)
     # A private epoll set joins the worker's event fd (shared by every channel
     # of this Fabric) and the bootstrap socket into the one fd the engine watches.
     ch.base.fd = epoll_create1(EPOLL_CLOEXEC)
@@ -914,7 +919,7 @@ cdef fab_channel* new_channel(ucx_domain* d, int sock, size_t max_recv) noexcept
         ch.closed = 1
         if ch.base.fd >= 0:
             close(ch.base.fd)
-        d.refs -= 1
+        domain_unref_last(&d.refs)     # never the last: the caller holds one
         free(ch)
         return NULL
     ev.events = EPOLLIN
@@ -1028,16 +1033,12 @@ cdef class UcxBackend(Backend):
         l.base.accept = ucx_accept
         l.base.close = ucx_close_listener
         l.dom = d
-        d.refs += 1
+        domain_ref(&d.refs)
         return &l.base
 
-    cdef fab_channel* connect(self, object domain, str host, int port, double timeout,
-                              size_t max_recv, dict options) except NULL:
+    cdef fab_channel* attach(self, object domain, int fd, size_t max_recv, dict options) except NULL:
         cdef ucx_domain* d = (<UcxDomain?>domain).d
-        cdef int fd = connect_socket(host, port, timeout)
-        cdef fab_channel* ch
-        tune_socket(fd, int(options.get("tcp_user_timeout_ms", 30000)), int(options.get("tcp_keepalive_s", 10)))
-        ch = new_channel(d, fd, max_recv)
+        cdef fab_channel* ch = new_channel(d, fd, max_recv)
         if ch == NULL:
             close(fd)
             raise MemoryError()

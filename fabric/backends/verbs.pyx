@@ -29,7 +29,7 @@ from posix.uio cimport iovec
 from fabric._posix cimport *
 from fabric._bytes cimport wr32, rd32
 from fabric.backends.interface cimport *
-from fabric.backends.sockets cimport (accept_socket, connect_socket, listen_socket,
+from fabric.backends.sockets cimport (accept_socket, listen_socket,
                                      local_and_peer_names, tune_socket)
 
 cdef extern from "<fcntl.h>" nogil:
@@ -186,8 +186,7 @@ VB_OPS.close = vb_close
 
 
 cdef void domain_unref(vb_domain* d) noexcept nogil:
-    d.refs -= 1
-    if d.refs == 0:
+    if domain_unref_last(&d.refs):
         ibv_dealloc_pd(d.pd)
         ibv_close_device(d.ctx)
         free(d)
@@ -200,6 +199,12 @@ cdef class VerbsDomain:
         if self.d != NULL:
             domain_unref(self.d)
             self.d = NULL
+
+    @property
+    def refs(self):
+        """References held on the domain: its Fabric's, one per live channel
+        and listener (leak and race checks)."""
+        return self.d.refs if self.d != NULL else 0
 
 
 # ------------------------------------------------------------- bootstrap
@@ -522,7 +527,7 @@ cdef fab_channel* new_channel(vb_domain* d, int sock, size_t max_recv, uint32_t 
     ch.base.recv_depth = depth
     ch.base.send_depth = SEND_DEPTH
     ch.dom = d
-    d.refs += 1
+    domain_ref(&d.refs)
     ch.sock = sock
     ch.state = ST_BOOT
     ch.base.fd = epoll_create1(EPOLL_CLOEXEC)
@@ -739,16 +744,12 @@ cdef class VerbsBackend(Backend):
         l.base.close = vb_close_listener
         l.dom = d
         l.depth = recv_depth_for(options)
-        d.refs += 1
+        domain_ref(&d.refs)
         return &l.base
 
-    cdef fab_channel* connect(self, object domain, str host, int port, double timeout,
-                              size_t max_recv, dict options) except NULL:
+    cdef fab_channel* attach(self, object domain, int fd, size_t max_recv, dict options) except NULL:
         cdef vb_domain* d = (<VerbsDomain?>domain).d
-        cdef int fd = connect_socket(host, port, timeout)
-        cdef fab_channel* ch
-        tune_socket(fd, int(options.get("tcp_user_timeout_ms", 30000)), int(options.get("tcp_keepalive_s", 10)))
-        ch = new_channel(d, fd, max_recv, recv_depth_for(options))
+        cdef fab_channel* ch = new_channel(d, fd, max_recv, recv_depth_for(options))
         if ch == NULL:
             close(fd)
             raise MemoryError()

@@ -1825,6 +1825,8 @@ cdef class Worker:
                 glock(self.w)
 
     def listen(self, str host, int port):
+        # binding may resolve a name: no engine lock (backends keep listen() to
+        # state that is safe to touch concurrently, see interface.pxd)
         cdef fab_listener* fl = self.backend.listen(self.domain, host, port, self.options)
         cdef lst_t* l = <lst_t*>calloc(1, sizeof(lst_t))
         if l == NULL:
@@ -1851,9 +1853,10 @@ cdef class Worker:
         cdef fab_channel* ch
         cdef ep_t* ep
         cdef int rc
+        cdef int fd
         remaining = -1.0 if deadline < 0 else max(0.0, deadline - monotonic_now())
         try:
-            ch = self.backend.connect(self.domain, host, port, remaining, our_max_recv(self.w), self.options)
+            fd = self.backend.dial(self.domain, host, port, remaining, self.options)
         except TimeoutError as e:
             raise _errors.Timeout(str(e)) from None
         except OSError as e:
@@ -1863,7 +1866,14 @@ cdef class Worker:
             hs_deadline = deadline
         cdef char why[200]
         cdef int ok = 0
+        # the channel is built under the engine lock: another thread may be
+        # accepting on this Fabric and touching the same domain state
         glock(self.w)
+        try:
+            ch = self.backend.attach(self.domain, fd, our_max_recv(self.w), self.options)
+        except BaseException:
+            wunlock(self.w)
+            raise
         ep = ep_create(self.w, ch)
         if ep == NULL:
             wunlock(self.w)
