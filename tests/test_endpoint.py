@@ -205,6 +205,35 @@ def test_recv_into_timeout_mid_rendezvous_keeps_message(pair):
 
 
 @pytest.mark.timeout(60)
+def test_large_messages_taken_by_recv_into_are_not_pulled_ahead(pair):
+    """A reader that takes small headers with recv() and large bodies with
+    recv_into() (the byte stream under gRPC) gets each body pulled straight
+    into its buffer: pulling it ahead into engine memory would cost a copy
+    and fresh pages for every message."""
+    client, server = pair
+    bodies = [payload(8 * CHUNK, i) for i in range(12)]
+    reqs = []
+    for body in bodies:
+        reqs.append(client.isend(b"h%d" % len(body)))
+        reqs.append(client.isend(body))
+    buf = bytearray(8 * CHUNK)
+    for body in bodies:
+        assert bytes(server.recv(timeout=10)) == b"h%d" % len(body)
+        time.sleep(0.01)            # the body has arrived by now: a puller would have taken it
+        assert server.recv_into(buf, timeout=10) == len(body) and bytes(buf) == body
+    for r in reqs:
+        r.wait(timeout=10)
+    # the first body may be pulled ahead: nothing is known of the reader yet
+    assert server.stats()["rendezvous_copied"] <= 1
+    # once the reader takes large messages with recv(), the next ones are
+    # pulled ahead: the sender is done before the reader asks
+    client.isend(bodies[0])
+    assert bytes(server.recv(timeout=10)) == bodies[0]
+    client.isend(bodies[1]).wait(timeout=10)
+    assert bytes(server.recv(timeout=10)) == bodies[1]
+
+
+@pytest.mark.timeout(60)
 def test_second_concurrent_recv_is_refused(pair):
     client, server = pair
     started = threading.Event()

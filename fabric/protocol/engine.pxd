@@ -144,7 +144,7 @@ cdef struct ep_t:
     slab_t* ctrl_ready_tail
     slab_t* inflight
     int close_requested
-    int pull_ahead              # last receive was recv(): pull rendezvous messages early
+    int pull_ahead              # the last rendezvous message went to recv(): pull the next early
     int send_waiters            # threads blocked until a send completes
     # counters (Endpoint.stats): which protocol messages took, how sends were packed
     uint64_t sent_eager
@@ -155,6 +155,7 @@ cdef struct ep_t:
     uint64_t fabric_sends
     uint64_t frames_sent
     uint64_t fabric_recvs
+    uint64_t rndv_copied        # rendezvous messages pulled ahead, then copied into recv_into's buffer
     uint64_t frames_received
     uint8_t hello[56]
     fab_mr* hello_mr

@@ -825,6 +825,11 @@ cdef void match_posted(ep_t* ep) noexcept nogil:
             m.own_data = 0
         elif m.data != p.dst:
             memcpy(p.dst, m.data, m.total)   # pulled ahead before recv_into was posted
+            ep.rndv_copied += 1
+        # how the application takes large messages decides whether the next
+        # ones are pulled into our memory before it asks: a wrong guess costs
+        # recv_into a copy and fresh pages for every message
+        ep.pull_ahead = p.dst == NULL
         p.done = 1
         p.msg = NULL
         inq_pop(ep)
@@ -840,7 +845,6 @@ cdef void ep_post(ep_t* ep, char* dst, size_t cap) noexcept nogil:
     p.active = 1
     p.dst = dst
     p.cap = cap
-    ep.pull_ahead = dst == NULL
     ep_deliver(ep)
     if not p.done and ep.state == EP_OPEN:
         progress_ep(ep)
@@ -2200,6 +2204,7 @@ cdef class Endpoint:
                 "chunks_native": e.chunks_native,
                 "fabric_sends": e.fabric_sends, "frames_sent": e.frames_sent,
                 "fabric_recvs": e.fabric_recvs, "frames_received": e.frames_received,
+                "rendezvous_copied": e.rndv_copied,
                 # registrations made for messages (the endpoint's own buffers excluded)
                 "registered_regions": e.ch.live_regions - e.own_regions if e.ch != NULL else 0}
 
