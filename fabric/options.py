@@ -13,6 +13,7 @@ variables and per-Fabric keyword arguments, in increasing order of precedence.
 | send_buffers      | FABRIC_SEND_BUFFERS         | coalescing buffers per endpoint (bounds the sender's copies) |
 | max_message       | FABRIC_MAX_MESSAGE          | largest message accepted from a peer |
 | spin_us           | FABRIC_SPIN_US              | microseconds of busy polling before a wait blocks |
+| spin_max_us       | FABRIC_SPIN_MAX_US          | adaptive polling: an endpoint whose recent waits ended within this many microseconds polls a little longer than they took before it blocks (waking a blocked thread costs tens of microseconds on a VM); 0: always spin_us |
 | handshake_timeout | FABRIC_HANDSHAKE_TIMEOUT    | seconds a new connection has to complete its handshake |
 | close_linger      | FABRIC_CLOSE_LINGER         | seconds close() waits for queued sends to leave |
 | native_min        | FABRIC_NATIVE_MIN           | messages of at least this size use the fabric's own rendezvous where it has one (ucx); 0: always the engine's |
@@ -48,6 +49,7 @@ KNOBS = {
     "send_buffers": ("int", 1, 1 << 20),
     "max_message": ("size", 1, 1 << 62),
     "spin_us": ("float", 0, 1e6),
+    "spin_max_us": ("float", 0, 1e6),
     "handshake_timeout": ("float", 0.001, 1e6),
     "close_linger": ("float", 0, 1e6),
     "progress_thread": ("int", 0, 1),
@@ -67,6 +69,7 @@ COMMON_DEFAULTS = {
     "send_buffers": 16,
     "max_message": 1 << 40,
     "spin_us": 50.0,
+    "spin_max_us": 500.0,
     "handshake_timeout": 10.0,
     "close_linger": 5.0,
     "progress_thread": 1,

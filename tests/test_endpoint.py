@@ -212,25 +212,69 @@ def test_large_messages_taken_by_recv_into_are_not_pulled_ahead(pair):
     and fresh pages for every message."""
     client, server = pair
     bodies = [payload(8 * CHUNK, i) for i in range(12)]
-    reqs = []
-    for body in bodies:
-        reqs.append(client.isend(b"h%d" % len(body)))
-        reqs.append(client.isend(body))
     buf = bytearray(8 * CHUNK)
-    for body in bodies:
-        assert bytes(server.recv(timeout=10)) == b"h%d" % len(body)
-        time.sleep(0.01)            # the body has arrived by now: a puller would have taken it
-        assert server.recv_into(buf, timeout=10) == len(body) and bytes(buf) == body
-    for r in reqs:
-        r.wait(timeout=10)
-    # the first body may be pulled ahead: nothing is known of the reader yet
-    assert server.stats()["rendezvous_copied"] <= 1
+
+    def exchange(batch):
+        reqs = []
+        for body in batch:
+            reqs.append(client.isend(b"h%d" % len(body)))
+            reqs.append(client.isend(body))
+        for body in batch:
+            assert bytes(server.recv(timeout=10)) == b"h%d" % len(body)
+            time.sleep(0.01)            # the body has arrived by now: a puller would have taken it
+            assert server.recv_into(buf, timeout=10) == len(body) and bytes(buf) == body
+        for r in reqs:
+            r.wait(timeout=10)
+
+    # Until the reader has taken a large message, nothing is known of it:
+    # the first body may be pulled ahead (a thread that sends before it
+    # receives must not wait for itself). From then on, none is.
+    exchange(bodies[:1])
+    copied = server.stats()["rendezvous_copied"]
+    assert copied <= 1
+    exchange(bodies[1:])
+    assert server.stats()["rendezvous_copied"] == copied
     # once the reader takes large messages with recv(), the next ones are
     # pulled ahead: the sender is done before the reader asks
     client.isend(bodies[0])
     assert bytes(server.recv(timeout=10)) == bodies[0]
     client.isend(bodies[1]).wait(timeout=10)
     assert bytes(server.recv(timeout=10)) == bodies[1]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("answer_after, spin_max_us, adapts", [(0.005, 100000, True),
+                                                               (0.005, 1000, False),
+                                                               (0.005, 0, False)])
+def test_polling_adapts_to_how_soon_the_peer_answers(backend_name, answer_after, spin_max_us, adapts):
+    """A receive polls a little longer than recent waits took (waking a
+    blocked thread is expensive) but never longer than spin_max_us; waits
+    longer than that keep the short spin."""
+    opts = small_options(spin_max_us=spin_max_us)
+    client, server = connect_pair(fabric.Fabric(backend_name, **opts), fabric.Fabric(backend_name, **opts))
+    base = opts["spin_us"]
+    assert client.stats()["spin_us"] == base            # nothing learned yet
+
+    def answer():
+        for _ in range(8):
+            server.recv(timeout=10)
+            time.sleep(answer_after)
+            server.send(b"pong")
+
+    t = threading.Thread(target=answer)
+    t.start()
+    for _ in range(8):
+        client.send(b"ping")
+        assert bytes(client.recv(timeout=10)) == b"pong"
+    t.join(10)
+    stats = client.stats()
+    assert stats["typical_wait_us"] >= answer_after * 1e6 * 0.9
+    if adapts:
+        assert stats["typical_wait_us"] < stats["spin_us"] <= spin_max_us
+    else:
+        assert stats["spin_us"] == base
+    client.close(linger=0)
+    server.close(linger=0)
 
 
 @pytest.mark.timeout(60)

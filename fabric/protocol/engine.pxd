@@ -15,6 +15,7 @@ cdef struct opts_t:
     uint32_t send_buffers       # coalescing buffers per endpoint
     uint64_t max_message        # largest message accepted from a peer
     double spin                 # seconds of busy polling before blocking
+    double spin_max             # adaptive polling never spins longer than this (0: off)
     double handshake_timeout
     double close_linger
     int progress_thread
@@ -144,7 +145,8 @@ cdef struct ep_t:
     slab_t* ctrl_ready_tail
     slab_t* inflight
     int close_requested
-    int pull_ahead              # the last rendezvous message went to recv(): pull the next early
+    double typical_wait         # recent waits on this endpoint (seconds, moving average; 0: none yet)
+    int pull_ahead              # pull rendezvous messages early: until one went to recv_into()
     int send_waiters            # threads blocked until a send completes
     # counters (Endpoint.stats): which protocol messages took, how sends were packed
     uint64_t sent_eager

@@ -1210,7 +1210,10 @@ cdef void progress_ep(ep_t* ep) noexcept nogil:
             if n < MAX_EVENTS:
                 break
     if ep.state == EP_OPEN:
-        if ep.pull_ahead or ep.send_waiters or (ep.posted.active and ep.posted.dst == NULL):
+        # (a posted recv() binds the message it takes itself, in ep_deliver;
+        # pulling past it would guess wrong for a reader of headers with
+        # recv() and bodies with recv_into())
+        if ep.pull_ahead or ep.send_waiters:
             pull_ahead(ep)
         ep_deliver(ep)
     ep_settle(ep)
@@ -1294,6 +1297,10 @@ cdef ep_t* ep_create(worker_t* w, fab_channel* ch) noexcept nogil:
     ep.state = EP_HANDSHAKE
     ep.next_in_id = 1
     ep.armed = EPOLLIN
+    # until the application shows it takes large messages with recv_into(),
+    # pull them into our memory as they come (within recv_budget): a thread
+    # that sends before it receives must not wait for itself
+    ep.pull_ahead = 1
     if node_register(w, &ep.node, ch.fd, EPOLLIN) == 0:
         ch.ops.close(ch)
         free(ep)
@@ -1507,14 +1514,40 @@ cdef void* progress_thread_main(void* arg) noexcept nogil:
 
 ctypedef int (*pred_fn)(void* arg) noexcept nogil
 
+cdef inline double spin_for(worker_t* w, ep_t* hint) noexcept nogil:
+    """How long a wait on hint busy-polls before it blocks. Waking a blocked
+    thread costs tens of microseconds here (an epoll wake-up and, on a VM,
+    an interrupt to an idle virtual CPU), paid by the sender's syscall and by
+    the receiver: when this endpoint's recent waits ended sooner than
+    spin_max, poll a little longer than they took. Waits longer than that
+    (an idle connection, a slow peer) keep the short spin."""
+    cdef double spin = w.opts.spin
+    cdef double typical
+    if hint != NULL and w.opts.spin_max > spin:
+        typical = hint.typical_wait * 1.25
+        if typical > spin and typical <= w.opts.spin_max:
+            spin = typical
+    return spin
+
+cdef inline void note_wait(ep_t* hint, double elapsed) noexcept nogil:
+    if hint != NULL:
+        if hint.typical_wait == 0:
+            hint.typical_wait = elapsed
+        else:
+            hint.typical_wait = 0.75 * hint.typical_wait + 0.25 * elapsed
+
 cdef int worker_wait(worker_t* w, pred_fn pred, void* arg, ep_t* hint, double deadline) noexcept nogil:
-    """Wait (lock held) until pred(arg). Busy-polls `hint` for opts.spin
-    seconds, then blocks in epoll (one thread at a time; the others sleep on
+    """Wait (lock held) until pred(arg). Busy-polls `hint` (spin_for()
+    seconds), then blocks in epoll (one thread at a time; the others sleep on
     the condition variable and are woken after each round of progress).
     Returns 0, ETIMEDOUT, or EINTR after WAIT_SLICE_MS so the caller can
     check for signals."""
     cdef double now = monotonic_now()
-    cdef double spin_end = now + w.opts.spin
+    cdef double started = now
+    cdef double spin = spin_for(w, hint)
+    cdef double spin_end = now + spin
+    # receive waits teach the endpoint how long its peer takes to answer
+    cdef ep_t* learner = hint if pred == pred_posted else NULL
     cdef double slice_end = now + WAIT_SLICE_MS * 1e-3
     cdef double until
     cdef epoll_event evs[64]
@@ -1525,10 +1558,12 @@ cdef int worker_wait(worker_t* w, pred_fn pred, void* arg, ep_t* hint, double de
     cdef uint64_t activity
     while True:
         if pred(arg):
+            note_wait(learner, monotonic_now() - started)
             return 0
         now = monotonic_now()
         w.last_app = now
         if deadline >= 0 and now >= deadline:
+            note_wait(learner, now - started)
             return ETIMEDOUT
         if now >= slice_end:
             return EINTR
@@ -1536,11 +1571,12 @@ cdef int worker_wait(worker_t* w, pred_fn pred, void* arg, ep_t* hint, double de
             activity = hint.ch.activity
             progress_ep(hint)
             if hint.ch != NULL and hint.ch.activity != activity:
-                spin_end = now + w.opts.spin     # data is moving: keep polling
+                spin_end = now + spin            # data is moving: keep polling
             if hint.listener != NULL:
                 listener_sweep(hint.listener)
             if pred(arg):
                 pthread_cond_broadcast(&w.cond)
+                note_wait(learner, monotonic_now() - started)
                 return 0
             if w.waiters:
                 pthread_cond_broadcast(&w.cond)
@@ -1701,6 +1737,7 @@ cdef class Worker:
         o.send_buffers = int(options["send_buffers"])
         o.max_message = int(options["max_message"])
         o.spin = float(options["spin_us"]) * 1e-6
+        o.spin_max = float(options.get("spin_max_us", 0)) * 1e-6
         o.handshake_timeout = float(options["handshake_timeout"])
         o.close_linger = float(options["close_linger"])
         o.progress_thread = int(options.get("progress_thread", 1))
@@ -2205,6 +2242,9 @@ cdef class Endpoint:
                 "fabric_sends": e.fabric_sends, "frames_sent": e.frames_sent,
                 "fabric_recvs": e.fabric_recvs, "frames_received": e.frames_received,
                 "rendezvous_copied": e.rndv_copied,
+                # adaptive polling: how long receives waited lately, and how
+                # long the next wait busy-polls before it blocks
+                "typical_wait_us": e.typical_wait * 1e6, "spin_us": spin_for(e.w, e) * 1e6,
                 # registrations made for messages (the endpoint's own buffers excluded)
                 "registered_regions": e.ch.live_regions - e.own_regions if e.ch != NULL else 0}
 
