@@ -139,3 +139,52 @@ def test_cheap_frame_reprs_print_what_hyperframe_printed():
                 f.flags.add("PADDED")
                 f.pad_length = pad
             assert f._body_repr() == original(f)
+
+
+# -- remembered HPACK work (fabric.grpc._http2._MemoHpack)
+
+HEADER_SETS = [
+    [(b":method", b"POST"), (b":path", b"/svc/Echo"), (b"content-type", b"application/grpc")],
+    [(b":status", b"200"), (b"content-type", b"application/grpc")],
+    [(b"grpc-status", b"0")],
+    [(b"grpc-status", b"5"), (b"grpc-message", b"not found")],
+    [(b"x-big", b"v" * 3000)],                   # evicts entries from a small table
+    [(b":path", b"/svc/Other"), (b"grpc-timeout", b"100m")],
+]
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps=st.lists(st.one_of(st.integers(0, len(HEADER_SETS) - 1),
+                                st.sampled_from(["resize-256", "resize-4096", "resize-0"])),
+                      min_size=1, max_size=40))
+def test_memoized_hpack_produces_what_hpack_produces(steps):
+    """Whatever the sequence of header blocks and table size changes, the
+    memoizing encoder emits hpack's exact bytes and the memoizing decoder
+    returns hpack's exact headers (dynamic-table state included)."""
+    import hpack
+    from fabric.grpc._http2 import _MemoHpack
+    plain_enc, memo_enc = hpack.Encoder(), _MemoHpack(hpack.Encoder(), "encode")
+    plain_dec, memo_dec = hpack.Decoder(), _MemoHpack(hpack.Decoder(), "decode")
+    for step in steps:
+        if isinstance(step, str):
+            size = int(step.split("-")[1])
+            plain_enc.header_table_size = memo_enc.header_table_size = size
+            plain_dec.max_allowed_table_size = memo_dec.max_allowed_table_size = 4096
+            continue
+        headers = list(HEADER_SETS[step])
+        block = plain_enc.encode(list(headers))
+        assert memo_enc.encode(list(headers)) == block
+        expected = plain_dec.decode(block, raw=True)
+        assert memo_dec.decode(block, raw=True) == expected == headers
+        assert list(memo_dec.header_table.dynamic_entries) == list(plain_dec.header_table.dynamic_entries)
+
+
+def test_memoized_hpack_reuses_repeated_blocks_and_passes_sensitive_ones_through():
+    import hpack
+    from fabric.grpc._http2 import _MemoHpack
+    enc = _MemoHpack(hpack.Encoder(), "encode")
+    first = enc.encode(list(HEADER_SETS[0]))          # adds to the table
+    second = enc.encode(list(HEADER_SETS[0]))         # indexed: leaves the table alone
+    assert first != second and enc.encode(list(HEADER_SETS[0])) is second
+    secret = [hpack.NeverIndexedHeaderTuple(b"authorization", b"token")]
+    assert enc.encode(secret) == hpack.Encoder().encode(secret)   # never memoized, never indexed
