@@ -32,7 +32,7 @@ import time
 from fabric.perf import measure, wire
 
 KNOB_FLAGS = ("eager_limit", "chunk_size", "chunks_in_flight", "coalesce_limit", "coalesce", "credits",
-              "spin_us", "native_min")
+              "spin_us", "spin_max_us", "native_min")
 TESTS = ("lat", "bw", "rate", "rpc")
 PROTOCOLS = ("auto", "eager", "rendezvous")
 EAGER_MAX = 1 << 20             # --protocol eager: largest eager message (receive buffers are this big)
@@ -155,7 +155,7 @@ def versions() -> dict:
 
 
 THRESHOLDS = ("eager_limit", "chunk_size", "chunks_in_flight", "coalesce_limit", "coalesce", "credits",
-              "native_min", "spin_us")
+              "native_min", "spin_us", "spin_max_us")
 
 
 class Run:
