@@ -6,7 +6,7 @@
 Service /bench.Bench: Echo (unary, the request comes back) and Sink (client
 streaming; the server answers with the message count). Payloads are bytes
 (no protobuf), message limits raised to 256 MiB on both sides. Each contender
-is a client in this process and a server process of its own:
+is a client process and a server process of its own:
   grpcio      stock grpcio client and server over TCP
   fabric+tcp  fabric.grpc client and server over the fabric engine, tcp backend
   fabric+ucx  the same over ucx with UCX_TLS=sm (shared memory)
@@ -63,49 +63,89 @@ def serve(kind):
     server.wait_for_termination()
 
 
-class Client:
-    def __init__(self, kind):
-        env = dict(os.environ, PYTHONPATH=ROOT, **ENV.get(kind, {}))
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", kind],
-                                     stdout=subprocess.PIPE, text=True, env=env)
-        port = self.proc.stdout.readline().strip()
-        if not port:
-            raise RuntimeError(f"{kind} server did not start")
-        saved = {k: os.environ.get(k) for k in ENV.get(kind, {})}
-        os.environ.update(ENV.get(kind, {}))
-        try:
-            if kind == "grpcio":
-                import grpc
-                self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=OPTIONS)
-            else:
-                import fabric.grpc
-                target = f"127.0.0.1:{port}" if kind == "h2-plain" else f"{kind}://127.0.0.1:{port}"
-                self.channel = fabric.grpc.insecure_channel(target, options=OPTIONS)
-            self.echo = self.channel.unary_unary("/bench.Bench/Echo")
-            self.sink = self.channel.stream_unary("/bench.Bench/Sink")
-            self.echo(b"warm", timeout=30)
-        finally:
-            for k, v in saved.items():
-                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+class _Driver:
+    """The client side of one contender, in this process (run by --client)."""
 
-    def rtt(self, payload, n):
-        echo = self.echo
+    def __init__(self, kind, port):
+        if kind == "grpcio":
+            import grpc
+            self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=OPTIONS)
+        else:
+            import fabric.grpc
+            target = f"127.0.0.1:{port}" if kind == "h2-plain" else f"{kind}://127.0.0.1:{port}"
+            self.channel = fabric.grpc.insecure_channel(target, options=OPTIONS)
+        self.echo = self.channel.unary_unary("/bench.Bench/Echo")
+        self.sink = self.channel.stream_unary("/bench.Bench/Sink")
+        self.echo(b"warm", timeout=30)
+        self.payloads = {}
+
+    def payload(self, size):
+        if size not in self.payloads:
+            self.payloads = {size: os.urandom(size)}
+        return self.payloads[size]
+
+    def rtt(self, size, n):
+        payload, echo = self.payload(size), self.echo
         t0 = time.perf_counter()
         for _ in range(n):
             echo(payload)
         return (time.perf_counter() - t0) / n
 
-    def stream(self, payload, n):
+    def stream(self, size, n):
+        payload = self.payload(size)
         t0 = time.perf_counter()
         reply = self.sink(iter([payload] * n))
         elapsed = time.perf_counter() - t0
         assert int(reply) == n
         return elapsed
 
+
+def drive(kind, port):
+    """--client: commands on stdin ("rtt SIZE N", "stream SIZE N"), seconds on stdout."""
+    driver = _Driver(kind, port)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        what, size, n = line.split()
+        print(repr(getattr(driver, what)(int(size), int(n))), flush=True)
+    driver.channel.close()
+
+
+class Client:
+    """One contender: its server and its client each in a process of their
+    own, so that no contender runs in an allocator or interpreter state left
+    by another (measured: grpcio's 16 MiB round trips took 15.5 ms or 26 ms
+    depending on which contenders had run before it in a shared client)."""
+
+    def __init__(self, kind):
+        env = dict(os.environ, PYTHONPATH=ROOT, **ENV.get(kind, {}))
+        self.server = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", kind],
+                                       stdout=subprocess.PIPE, text=True, env=env)
+        port = self.server.stdout.readline().strip()
+        if not port:
+            raise RuntimeError(f"{kind} server did not start")
+        self.client = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--client", kind, port],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        if self.client.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"{kind} client did not start")
+
+    def _ask(self, what, size, n):
+        self.client.stdin.write(f"{what} {size} {n}\n")
+        self.client.stdin.flush()
+        answer = self.client.stdout.readline().strip()
+        if not answer:
+            raise RuntimeError(f"{what} {size} x{n} failed in the client process")
+        return float(answer)
+
+    def rtt(self, size, n):
+        return self._ask("rtt", size, n)
+
+    def stream(self, size, n):
+        return self._ask("stream", size, n)
+
     def close(self):
-        self.channel.close()
-        self.proc.kill()
-        self.proc.wait()
+        for proc in (self.client, self.server):
+            proc.kill()
+            proc.wait()
 
 
 def main(argv=None):
@@ -134,28 +174,26 @@ def main(argv=None):
         for k in kinds:
             clients[k] = Client(k)
         for size in parse_sizes(args.rtt_sizes):
-            payload = os.urandom(size)
             n = max(5, min(2000, (64 << 20) // max(size, 1)))
             samples = {k: [] for k in clients}
             for c in clients.values():
-                c.rtt(payload, max(2, n // 10))
+                c.rtt(size, max(2, n // 10))
             for _ in range(args.rounds):
                 for k, c in clients.items():
-                    samples[k].append(c.rtt(payload, n) * 1e6)
+                    samples[k].append(c.rtt(size, n) * 1e6)
             row = {k: statistics.median(v) for k, v in samples.items()}
             results["rtt_us"][size] = row
             print(f"unary rtt {size:>9} B  " + "  ".join(f"{k} {v:9.1f}us" for k, v in row.items())
                   + ("  ratio " + " ".join(f"{k} {row[k] / row['grpcio']:.2f}" for k in row if k != "grpcio")
                      if "grpcio" in row else ""), flush=True)
         for size in parse_sizes(args.stream_sizes):
-            payload = os.urandom(size)
             n = max(8, min(2000, (256 << 20) // size))
             samples = {k: [] for k in clients}
             for c in clients.values():
-                c.stream(payload, 2)
+                c.stream(size, 2)
             for _ in range(args.rounds):
                 for k, c in clients.items():
-                    samples[k].append(size * n / c.stream(payload, n) / 1e6)
+                    samples[k].append(size * n / c.stream(size, n) / 1e6)
             row = {k: statistics.median(v) for k, v in samples.items()}
             results["stream_MBps"][size] = row
             print(f"stream    {size:>9} B  " + "  ".join(f"{k} {v:8.0f}MB/s" for k, v in row.items())
@@ -173,5 +211,7 @@ def main(argv=None):
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--serve":
         serve(sys.argv[2])
+    elif len(sys.argv) > 3 and sys.argv[1] == "--client":
+        drive(sys.argv[2], sys.argv[3])
     else:
         main()
