@@ -21,7 +21,7 @@ from grpc_interop import ECHO_INITIAL, ECHO_TRAILING, generated, servicer_class 
 
 pb, pb_grpc = generated()
 
-COMBOS = ["grpcio-client>fabric-server", "fabric-client>grpcio-server", "fabric>fabric+tcp",
+COMBOS = ["grpcio-client>fabric-server", "fabric-client>grpcio-server", "fabric>fabric-plain", "fabric>fabric+tcp",
           "fabric>fabric+ucx", "fabric>fabric+verbs"]
 if os.environ.get("FABRIC_TEST_BACKENDS") == "verbs":
     COMBOS = ["fabric>fabric+verbs"]

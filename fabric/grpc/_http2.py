@@ -854,9 +854,10 @@ class _PlainReader:
 
 
 class _FramedReader:
-    """Reads a fabric stream: frames are cut here; large DATA frames of open
-    calls are received by the connection itself (into the message's final
-    buffer, pulled there by the fabric); everything else goes to h2 in order."""
+    """Reads a stream with read_into (a fabric stream, or a socket): frames are
+    cut here; large DATA frames of open calls are received by the connection
+    itself (into the message's final buffer: pulled there by the fabric, or
+    received there from the socket); everything else goes to h2 in order."""
 
     def __init__(self, conn):
         self.conn = conn

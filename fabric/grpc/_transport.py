@@ -1,7 +1,7 @@
 """Byte streams under fabric.grpc: the fabric engine's stream for
 fabric+<backend>:// addresses, a plain TCP socket for host:port (what a stock
-gRPC peer speaks). Both offer read_message / write / close as used by
-fabric.grpc._http2."""
+gRPC peer speaks). Both offer read_message / read_into / write / close as
+used by fabric.grpc._http2."""
 from __future__ import annotations
 
 import socket
@@ -64,6 +64,13 @@ class SocketStream:
         except OSError as e:
             raise errors.ConnectionLost(f"socket read failed: {e}") from None
         return data or None
+
+    def read_into(self, buf) -> int:
+        """Bytes received straight into buf (>= 1), or 0 at end of stream."""
+        try:
+            return self.sock.recv_into(buf)
+        except OSError as e:
+            raise errors.ConnectionLost(f"socket read failed: {e}") from None
 
     def write(self, buffers) -> None:
         views = [memoryview(b).cast("B") for b in (buffers if isinstance(buffers, (list, tuple)) else [buffers])]
