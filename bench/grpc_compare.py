@@ -12,6 +12,8 @@ is a client process and a server process of its own:
   fabric+ucx  the same over ucx with UCX_TLS=sm (shared memory)
   h2-plain    fabric.grpc client and server over a plain TCP socket (the HTTP/2
               layer without the fabric engine)
+  fabric-to-grpcio  a fabric.grpc client calling a stock grpcio server (interop;
+              not in the default set)
 Rounds are interleaved across contenders; medians; ratios fabric / grpcio.
 """
 from __future__ import annotations
@@ -49,7 +51,7 @@ def serve(kind):
         "Echo": grpc.unary_unary_rpc_method_handler(echo),
         "Sink": grpc.stream_unary_rpc_method_handler(sink)})
     pool = futures.ThreadPoolExecutor(max_workers=8)
-    if kind == "grpcio":
+    if kind in ("grpcio", "fabric-to-grpcio"):
         server = grpc.server(pool, options=OPTIONS)
         address = "127.0.0.1:0"
     else:
@@ -72,7 +74,8 @@ class _Driver:
             self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=OPTIONS)
         else:
             import fabric.grpc
-            target = f"127.0.0.1:{port}" if kind == "h2-plain" else f"{kind}://127.0.0.1:{port}"
+            plain = kind in ("h2-plain", "fabric-to-grpcio")
+            target = f"127.0.0.1:{port}" if plain else f"{kind}://127.0.0.1:{port}"
             self.channel = fabric.grpc.insecure_channel(target, options=OPTIONS)
         self.echo = self.channel.unary_unary("/bench.Bench/Echo")
         self.sink = self.channel.stream_unary("/bench.Bench/Sink")

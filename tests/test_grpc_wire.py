@@ -189,3 +189,27 @@ def test_memoized_hpack_reuses_repeated_blocks_and_passes_sensitive_ones_through
     assert first != second and enc.encode(list(HEADER_SETS[0])) is second
     secret = [hpack.NeverIndexedHeaderTuple(b"authorization", b"token")]
     assert enc.encode(secret) == hpack.Encoder().encode(secret)   # never memoized, never indexed
+
+
+@pytest.mark.timeout(30)
+def test_socket_stream_reads_with_a_timeout_and_into_buffers():
+    """A plain TCP byte stream: a timed read that finds nothing raises
+    fabric's Timeout and loses nothing; read_into fills a caller's buffer."""
+    import socket
+
+    from fabric import errors
+    listener = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(listener.getsockname())
+    b, _ = listener.accept()
+    listener.close()
+    stream = _transport.SocketStream(a)
+    with pytest.raises(errors.Timeout):
+        stream.read_message(timeout=0.05)
+    b.sendall(b"hello")
+    assert stream.read_message(timeout=5) == b"hello"
+    b.sendall(b"world")
+    buf = bytearray(16)
+    assert stream.read_into(memoryview(buf)) == 5 and bytes(buf[:5]) == b"world"
+    b.close()
+    assert stream.read_message(timeout=5) is None and stream.read_into(bytearray(4)) == 0
+    stream.close()

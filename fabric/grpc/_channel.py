@@ -601,11 +601,9 @@ class Channel(grpc.Channel):
                 return conn
             timeout = None if deadline is None else max(deadline - time.monotonic(), 0.001)
             stream = _transport.open_stream(self._target, timeout if timeout is not None else 20.0, self._fabric)
-            # callers read for themselves only where reads take a timeout (fabric
-            # streams); a socket connection has a reader thread
             fabric_stream = isinstance(stream, _transport.FabricStreamAdapter)
             self._conn = _http2.Connection(stream, client_side=True, max_receive=self._max_receive,
-                                           callers_read=fabric_stream, trusted_peer=fabric_stream)
+                                           callers_read=True, trusted_peer=fabric_stream)
             for cb in list(self._subscribers):
                 self._pool.submit(cb, grpc.ChannelConnectivity.READY)
             return self._conn

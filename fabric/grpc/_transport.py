@@ -4,6 +4,7 @@ gRPC peer speaks). Both offer read_message / read_into / write / close as
 used by fabric.grpc._http2."""
 from __future__ import annotations
 
+import select
 import socket
 import threading
 
@@ -50,6 +51,8 @@ class SocketStream:
     def __init__(self, sock: socket.socket):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
+        self._poll = select.poll()          # timed reads: the waiting caller reads for itself
+        self._poll.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
         self._closed = False
         try:
             self.local_address = "%s:%d" % sock.getsockname()[:2]
@@ -58,11 +61,15 @@ class SocketStream:
             self.local_address = self.peer_address = "?"
 
     def read_message(self, timeout=None):
-        """Some bytes, or None at end of stream; ConnectionLost on error."""
+        """Some bytes, or None at end of stream; ConnectionLost on error;
+        Timeout if nothing arrived within timeout seconds (None: wait)."""
         try:
-            data = self.sock.recv(READ_SIZE)
+            ready = timeout is None or self._poll.poll(max(0, int(timeout * 1000)))
+            data = self.sock.recv(READ_SIZE) if ready else None
         except OSError as e:
             raise errors.ConnectionLost(f"socket read failed: {e}") from None
+        if not ready:
+            raise errors.Timeout("nothing to read yet")      # (a TimeoutError: raised outside)
         return data or None
 
     def read_into(self, buf) -> int:
