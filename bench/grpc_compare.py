@@ -1,7 +1,7 @@
 """gRPC over fabric against grpcio: same service, same payloads, one run.
 
     python bench/grpc_compare.py [--rtt-sizes 8,64K,4M,16M] [--stream-sizes 1M,16M]
-                                 [--contenders grpcio,fabric+tcp,fabric+ucx,h2-plain] [--rounds 5] [--json F]
+                                 [--contenders grpcio,fabric+tcp,fabric+ucx,h2-plain,fabric-to-grpcio] [--rounds 5] [--json F]
 
 Service /bench.Bench: Echo (unary, the request comes back) and Sink (client
 streaming; the server answers with the message count). Payloads are bytes
@@ -12,8 +12,8 @@ is a client process and a server process of its own:
   fabric+ucx  the same over ucx with UCX_TLS=sm (shared memory)
   h2-plain    fabric.grpc client and server over a plain TCP socket (the HTTP/2
               layer without the fabric engine)
-  fabric-to-grpcio  a fabric.grpc client calling a stock grpcio server (interop;
-              not in the default set)
+  fabric-to-grpcio  a fabric.grpc client calling a stock grpcio server over TCP
+              (the interop path)
 Rounds are interleaved across contenders; medians; ratios fabric / grpcio.
 """
 from __future__ import annotations
@@ -165,7 +165,7 @@ def main(argv=None):
     else:
         import fabric
         kinds = ["grpcio", "fabric+tcp"] + (["fabric+ucx"] if fabric.available_backends()["ucx"][0] else []) \
-            + ["h2-plain"]
+            + ["h2-plain", "fabric-to-grpcio"]
     clients = {}
     results = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
                "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
