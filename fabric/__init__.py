@@ -14,7 +14,7 @@ the unrelated SSH tool published on PyPI as `fabric` (same import name).
 """
 from fabric.errors import (BackendUnavailable, BusyError, ConnectionClosed, ConnectionLost,
                            FabricError, MessageTooLarge, ProtocolError, RemoteAccessError,
-                           Timeout)
+                           ResourceLimit, Timeout)
 from fabric.protocol.engine import Endpoint, Listener, Message, Request
 from fabric.api import Fabric, connect, default_fabric, listen
 from fabric.backends import available as available_backends
@@ -25,5 +25,5 @@ __all__ = [
     "Fabric", "Endpoint", "Listener", "Message", "Request", "listen", "connect",
     "default_fabric", "available_backends", "FabricError", "ProtocolError", "ConnectionLost",
     "ConnectionClosed", "Timeout", "BackendUnavailable", "MessageTooLarge",
-    "RemoteAccessError", "BusyError",
+    "RemoteAccessError", "BusyError", "ResourceLimit",
 ]

@@ -1,18 +1,30 @@
 """asyncio support: endpoints and listeners progress from the running loop.
 
-The worker's epoll descriptor is watched with loop.add_reader; whenever it is
-readable the loop runs one round of non-blocking progress and wakes every
-coroutine waiting on that worker, which then re-checks its own operation.
-Nothing here blocks the loop.
+One reader per Fabric and loop: the worker's epoll descriptor (every endpoint
+of the Fabric is in it, and a fabric like UCX adds one descriptor for all of
+its connections). When it is readable the loop progresses only what has
+events (Worker.poll_events) and wakes only the coroutines waiting on the
+endpoints and listeners that moved: O(events), not O(connections), so one
+loop serves thousands of endpoints. Progress made by other threads (or the
+Fabric's progress thread) reaches the loop through a second descriptor
+(notify_fileno) with the same list of what moved.
+
+Connecting needs no thread: the loop connects a non-blocking socket and the
+handshake runs like any other traffic. Nothing here blocks the loop.
+Cancelling any of these coroutines leaves the endpoint usable (a receive
+that completed meanwhile is kept for the next one) or cleanly closed (a
+connect or accept in progress).
 """
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import socket
 import weakref
 
-from fabric.errors import Timeout
+from fabric.errors import ConnectionClosed, ConnectionLost, Timeout
 
-_drivers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+ANY = 0          # wait key: wake on any progress of the worker
 
 
 class _Driver:
@@ -20,74 +32,129 @@ class _Driver:
 
     def __init__(self, worker, loop):
         self.worker = worker
-        self.loop = loop
-        self.waiters: set = set()
-        self.fd = worker.fileno()
-        self.notify_fd = worker.notify_fileno()
+        self._loop = weakref.ref(loop)
+        self.waiters: dict[int, set] = {}
+        self.nwaiters = 0
+        self.fd = -1
+        self.notify_fd = -1
         self.watching = False
 
-    def _on_ready(self):
-        self.worker.progress()
-        self._wake()
+    @property
+    def loop(self):
+        return self._loop()
+
+    # -- progress from the loop
+    def _run(self):
+        try:
+            keys = self.worker.poll_events()
+        except Exception:
+            keys = None
+        if self.worker.closed:
+            self._wake_all()
+            self._watch(False)
+            return
+        if keys:
+            self._wake(keys)
+        any_waiters = self.waiters.pop(ANY, None)
+        if any_waiters:
+            self._resolve(any_waiters)
 
     def _on_notified(self):
         self.worker.drain_notify()
-        self._on_ready()
+        self._run()
 
     def _watch(self, on):
-        if on and not self.watching:
+        loop = self.loop
+        if on and not self.watching and loop is not None and not self.worker.closed:
+            self.fd = self.worker.fileno()
+            self.notify_fd = self.worker.notify_fileno()
             self.worker.loop_watch(True)
-            self.loop.add_reader(self.fd, self._on_ready)
-            self.loop.add_reader(self.notify_fd, self._on_notified)
+            loop.add_reader(self.fd, self._run)
+            loop.add_reader(self.notify_fd, self._on_notified)
+            self.worker.loop_users += 1
             self.watching = True
         elif not on and self.watching:
-            self.loop.remove_reader(self.fd)
-            self.loop.remove_reader(self.notify_fd)
-            self.worker.loop_watch(False)
             self.watching = False
+            try:
+                if loop is not None and not loop.is_closed():
+                    loop.remove_reader(self.fd)
+                    loop.remove_reader(self.notify_fd)
+            finally:
+                self.worker.loop_watch(False)
+                self.worker._loop_detached()
 
-    def _wake(self):
-        waiters, self.waiters = self.waiters, set()
-        for fut in waiters:
+    @staticmethod
+    def _resolve(futures):
+        for fut in futures:
             if not fut.done():
                 fut.set_result(None)
 
-    async def wait(self, deadline=None):
-        """Return after the next round of progress (or at once if progress is
-        possible now); raise Timeout past deadline (loop time)."""
+    def _wake(self, keys):
+        waiters = self.waiters
+        for key in keys:
+            futures = waiters.pop(key, None)
+            if futures:
+                self._resolve(futures)
+
+    def _wake_all(self):
+        waiters, self.waiters = self.waiters, {}
+        for futures in waiters.values():
+            self._resolve(futures)
+
+    async def wait(self, key, deadline=None):
+        """Return after `key` (an endpoint's or listener's .key, or ANY)
+        moved, or at once if progress is possible now; raise Timeout past
+        deadline (loop time)."""
+        if self.worker.closed:
+            raise ConnectionClosed("the Fabric is closed")
         if not self.worker.arm():
+            self._run()
             await asyncio.sleep(0)
             return
-        if deadline is not None and self.loop.time() >= deadline:
+        loop = self.loop
+        if deadline is not None and loop.time() >= deadline:
             raise Timeout("operation timed out")
-        fut = self.loop.create_future()
-        self.waiters.add(fut)
+        fut = loop.create_future()
+        self.waiters.setdefault(key, set()).add(fut)
+        self.nwaiters += 1
         self._watch(True)
         handle = None
         if deadline is not None:
-            handle = self.loop.call_at(deadline, lambda: fut.done() or fut.set_result(None))
+            handle = loop.call_at(deadline, _resolve_one, fut)
         try:
             await fut
         finally:
-            self.waiters.discard(fut)
+            self.nwaiters -= 1
+            futures = self.waiters.get(key)
+            if futures is not None:
+                futures.discard(fut)
+                if not futures:
+                    del self.waiters[key]
             if handle is not None:
                 handle.cancel()
-            if not self.waiters:
+            if not self.nwaiters:
                 # Stop watching only after this turn of the loop: a waiter
                 # that re-checks and waits again keeps the watch without churn.
-                self.loop.call_soon(self._maybe_unwatch)
+                loop.call_soon(self._maybe_unwatch)
 
     def _maybe_unwatch(self):
-        if not self.waiters:
+        if not self.nwaiters:
             self._watch(False)
+
+
+def _resolve_one(fut):
+    if not fut.done():
+        fut.set_result(None)
 
 
 def driver(worker) -> _Driver:
     loop = asyncio.get_running_loop()
-    per_loop = _drivers.setdefault(worker, {})
-    d = per_loop.get(loop)
+    drivers = worker.aio_drivers
+    if drivers is None:
+        drivers = worker.aio_drivers = weakref.WeakKeyDictionary()
+    d = drivers.get(loop)
     if d is None:
-        d = per_loop[loop] = _Driver(worker, loop)
+        d = drivers[loop] = _Driver(worker, loop)
     return d
 
 
@@ -119,7 +186,7 @@ async def recv(ep, buf=None, timeout=None):
                 result = ep._try_recv(buf)
                 if result is not None:
                     return result
-                await d.wait(deadline)
+                await d.wait(ep.key, deadline)
         except BaseException:
             ep._cancel_recv()
             raise
@@ -132,15 +199,16 @@ async def send(ep, obj, timeout=None):
     deadline = _deadline(d.loop, timeout)
     req = ep.isend(obj)
     while not req.done():
-        await d.wait(deadline)
+        await d.wait(ep.key, deadline)
     req.wait(0)
 
 
 async def wait_request(req, timeout=None):
-    d = driver(req.endpoint.worker)
+    ep = req.endpoint
+    d = driver(ep.worker)
     deadline = _deadline(d.loop, timeout)
     while not req.done():
-        await d.wait(deadline)
+        await d.wait(ep.key, deadline)
     req.wait(0)
 
 
@@ -151,9 +219,103 @@ async def accept(listener, timeout=None):
         ep = listener._try_accept()
         if ep is not None:
             return ep
-        await d.wait(deadline)
+        await d.wait(listener.key, deadline)
 
 
 async def close(ep, linger=None):
+    """Endpoint.close for asyncio: the loop keeps running while queued sends
+    drain (at most `linger` seconds)."""
+    if ep.closed:
+        ep.close(linger=0)
+        return
+    d = driver(ep.worker)
+    linger = ep.worker.options["close_linger"] if linger is None else linger
+    deadline = d.loop.time() + max(0.0, linger)
+    try:
+        if not ep._close_begin():
+            while not ep._drained():
+                await d.wait(ep.key, deadline)
+    except Timeout:
+        pass
+    finally:
+        ep.close(linger=0)
+
+
+async def close_fabric(worker, linger=None):
+    """Fabric.aclose: every endpoint drains (at most `linger` seconds) while
+    the loop runs, then everything is closed."""
+    if worker.closed:
+        return
+    d = driver(worker)
+    linger = worker.options["close_linger"] if linger is None else linger
+    deadline = d.loop.time() + max(0.0, linger)
+    try:
+        if not worker._close_begin():
+            while not worker._all_drained():
+                await d.wait(ANY, deadline)
+    except (Timeout, ConnectionClosed):
+        pass
+    finally:
+        worker.close(linger=0)
+
+
+def _numeric_addresses(host, port):
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if ip.version == 6:
+        return [(socket.AF_INET6, (host, port, 0, 0))]
+    return [(socket.AF_INET, (host, port))]
+
+
+async def connect(worker, host, port, timeout=None):
+    """Worker.connect for asyncio: the loop connects a non-blocking socket
+    (no executor thread for numeric addresses), then the handshake runs."""
     loop = asyncio.get_running_loop()
-    await loop.run_in_executor(None, ep.close, linger)
+    deadline = _deadline(loop, timeout)
+    addresses = _numeric_addresses(host, port)
+    if addresses is None:
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        addresses = [(family, addr) for family, _, _, _, addr in infos]
+    last = None
+    sock = None
+    for family, addr in addresses:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            remaining = None if deadline is None else max(0.0, deadline - loop.time())
+            await asyncio.wait_for(loop.sock_connect(sock, addr), remaining)
+            break
+        except asyncio.TimeoutError:
+            sock.close()
+            raise Timeout(f"connect to {host}:{port} timed out") from None
+        except OSError as e:
+            sock.close()
+            sock = None
+            last = e
+        except BaseException:
+            sock.close()
+            raise
+    if sock is None:
+        reason = last.strerror if last is not None and last.strerror else last
+        raise ConnectionLost(f"cannot connect to {host}:{port}: {reason}")
+    ep = worker._attach_connected(sock.detach())
+    d = driver(worker)
+    hs = loop.time() + float(worker.options["handshake_timeout"])
+    hs_deadline = hs if deadline is None else min(hs, deadline)
+    try:
+        while ep._state() == 0:
+            try:
+                await d.wait(ep.key, hs_deadline)
+            except Timeout:
+                raise Timeout(f"connect to {host}:{port}: no handshake from the peer") from None
+            ep._poll()
+    except BaseException:
+        ep.close(linger=0)
+        raise
+    if ep._state() < 0:
+        why = ep._failure()
+        ep.close(linger=0)
+        raise ConnectionLost(f"connect to {host}:{port} failed: {why}")
+    return ep

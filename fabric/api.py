@@ -53,17 +53,49 @@ class Fabric:
         return Stream(await self.aconnect(address, timeout))
 
     async def aconnect(self, address: str, timeout: float | None = None):
-        """connect() for asyncio: the loop keeps running during set-up."""
-        import asyncio
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, self.connect, address, timeout)
+        """connect() for asyncio: the loop connects and runs the handshake
+        itself (no thread per pending connect)."""
+        from fabric import aio
+        host, port = _parse_address(address, self.backend.name)
+        return await aio.connect(self._worker, host, port, timeout)
 
     def progress(self):
         """Progress every endpoint once without blocking."""
         self._worker.progress()
 
+    def close(self, linger: float | None = None):
+        """Close every listener and endpoint of this Fabric (endpoints first
+        send what is queued, for at most `linger` seconds, default the
+        close_linger option; pending operations then fail with
+        ConnectionClosed), stop its progress thread and release the
+        backend's context and descriptors. Idempotent; afterwards every use
+        raises a FabricError."""
+        self._worker.close(linger)
+
+    async def aclose(self, linger: float | None = None):
+        """close() for asyncio: the loop keeps running while endpoints drain."""
+        from fabric import aio
+        await aio.close_fabric(self._worker, linger)
+
+    @property
+    def closed(self) -> bool:
+        return self._worker.closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.aclose()
+
     def __repr__(self):
-        return f"<fabric.Fabric backend={self.backend.name}>"
+        state = " closed" if self.closed else ""
+        return f"<fabric.Fabric backend={self.backend.name}{state}>"
 
 
 _default = None

@@ -43,5 +43,10 @@ class RemoteAccessError(FabricError):
     """A peer offered memory it could not serve, or refused a read."""
 
 
+class ResourceLimit(FabricError, MemoryError):
+    """The engine could not get memory, descriptors or registrations for a
+    connection or a message; the message says which."""
+
+
 class BusyError(FabricError):
     """Another operation of the same kind is already in progress on this object."""

@@ -20,6 +20,22 @@
 #   * close() releases every resource of the channel, including every region
 #     registered on it; after close() returns the backend touches no memory the
 #     engine gave it (no read still landing in a receive buffer).
+#   * close() never blocks: a fabric that cannot cancel an operation at once
+#     keeps what it needs itself (never the engine's memory) until the fabric
+#     completes it or the domain goes.
+#
+# Waiting. Every channel is progressed by poll() and can be waited on through
+# the engine's epoll set:
+#   * fd: the channel's own descriptor (a TCP socket, a bootstrap socket), or
+#     -1. The engine watches it with the events arm() asks for and sets
+#     `revents` before poll() when epoll reported it.
+#   * hub: channels whose fabric progresses many channels at once (one UCX
+#     worker, one verbs completion channel per Fabric) share a fab_hub. Its
+#     fd joins the engine's epoll set once per Fabric; progress() drives the
+#     shared engine and marks the channels that have completions queued
+#     (hub_mark_ready), which the engine then polls. One descriptor per
+#     Fabric, not per channel: nested epoll sets that share a descriptor hit
+#     the kernel's wake-up path limits (EINVAL past ~50 channels).
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
 from posix.uio cimport iovec
 
@@ -64,6 +80,17 @@ cdef struct fab_mr:
     uint8_t rkey[FAB_MAX_RKEY]     # opaque remote key, sent to the peer
 
 cdef struct fab_channel
+cdef struct fab_hub
+
+cdef struct fab_hub:
+    int fd                         # pollable: readable when progress() may find work
+    # Drive the shared engine; completions go to their channels' queues, and
+    # those channels are marked ready. Returns > 0 if anything moved.
+    int (*progress)(fab_hub* hub) noexcept nogil
+    # Before blocking on fd: 0, or 1 if work is pending now (do not block).
+    int (*arm)(fab_hub* hub) noexcept nogil
+    fab_channel* ready             # channels with completions queued (hub_mark_ready)
+    uint64_t activity
 
 cdef struct fab_channel_ops:
     # mrs: NULL, or for each iov entry the registered region holding it (from
@@ -97,7 +124,13 @@ cdef struct fab_channel_ops:
 
 cdef struct fab_channel:
     fab_channel_ops* ops
-    int fd                         # pollable: readable when poll() may progress
+    int fd                         # pollable: readable when poll() may progress, or -1
+    uint32_t revents               # set by the engine: epoll reported fd since the last poll()
+    fab_hub* hub                   # shared progress (see above), or NULL
+    fab_channel* ready_prev        # hub's ready list (backend: hub_mark_ready / hub_unready)
+    fab_channel* ready_next
+    int is_ready
+    void* owner                    # the engine's endpoint; backends never touch it
     uint32_t caps
     size_t max_recv                # largest fabric message the engine accepts
     uint32_t recv_depth            # receive buffers to keep posted, for fabrics that post
@@ -122,6 +155,36 @@ cdef struct fab_regnode:
     fab_regnode* prev
     fab_regnode* next
     void* handle                   # the fabric's registration (ucp_mem_h, struct ibv_mr*)
+
+cdef inline void hub_mark_ready(fab_hub* hub, fab_channel* ch) noexcept nogil:
+    """The channel has completions queued: the engine polls it soon."""
+    if ch.is_ready or hub == NULL:
+        return
+    ch.is_ready = 1
+    ch.ready_prev = NULL
+    ch.ready_next = hub.ready
+    if hub.ready != NULL:
+        hub.ready.ready_prev = ch
+    hub.ready = ch
+
+cdef inline void hub_unready(fab_hub* hub, fab_channel* ch) noexcept nogil:
+    if not ch.is_ready or hub == NULL:
+        return
+    if ch.ready_prev != NULL:
+        ch.ready_prev.ready_next = ch.ready_next
+    else:
+        hub.ready = ch.ready_next
+    if ch.ready_next != NULL:
+        ch.ready_next.ready_prev = ch.ready_prev
+    ch.ready_prev = ch.ready_next = NULL
+    ch.is_ready = 0
+
+cdef inline fab_channel* hub_pop_ready(fab_hub* hub) noexcept nogil:
+    cdef fab_channel* ch = hub.ready
+    if ch != NULL:
+        hub_unready(hub, ch)
+    return ch
+
 
 cdef inline void reglist_push(fab_regnode** head, fab_regnode* node) noexcept nogil:
     node.prev = NULL
@@ -156,25 +219,40 @@ cdef inline uint32_t recv_depth_for(dict options):
     return <uint32_t>int(options["credits"]) + 1
 
 
+# What attach needs, prepared with the GIL (prepare_attach), used without it.
+ctypedef fab_channel* (*fab_attach_fn)(void* domain, int fd, size_t max_recv,
+                                       uint32_t recv_depth) noexcept nogil
+
+cdef struct fab_attach:
+    fab_attach_fn attach           # builds the channel on a connected fd (owns fd: closes it on failure)
+    void* domain                   # the backend's C domain, or NULL
+    uint32_t recv_depth
+
+
 cdef class Backend:
     cdef readonly str name
     cdef readonly uint32_t caps
     # `domain` is what open_domain() returned for this Fabric (per-Fabric
     # backend state, such as a UCX context and worker), or None.
     # Channels and listeners of one domain are created, progressed and closed
-    # by different threads. attach() runs with the GIL and the engine lock
-    # held, so it may touch state the domain shares with live channels
-    # (channel tables, a UCX worker); it must not block. listen() may resolve
-    # a name and runs without the engine lock: it may only take a domain
-    # reference (domain_ref(), atomic).
+    # by different threads. The engine never holds its lock while it takes
+    # the GIL (a thread blocked on the GIL at interpreter exit would hold it
+    # forever), so everything that runs under the lock is nogil C:
+    # prepare_attach() runs with the GIL and without the lock and fills in a
+    # fab_attach; its attach function then runs under the engine lock
+    # without the GIL, so it may touch state the domain shares with live
+    # channels (channel tables, a UCX worker); it must not block.
+    # listen() may resolve a name and runs without the engine lock: it may
+    # only take a domain reference (domain_ref(), atomic).
     cdef fab_listener* listen(self, object domain, str host, int port, dict options) except NULL
     # Connecting takes two steps so that waiting for the peer holds no lock.
     # dial(): a connected bootstrap socket, bounded by timeout seconds (<0:
     # none), GIL released while waiting, engine lock NOT held; the base class
     # does it for every socket-bootstrapped backend.
     cdef int dial(self, object domain, str host, int port, double timeout, dict options) except -1
-    # attach(): the channel on a dialed socket; owns fd (closes it on failure).
-    cdef fab_channel* attach(self, object domain, int fd, size_t max_recv, dict options) except NULL
+    cdef int prepare_attach(self, object domain, dict options, fab_attach* out) except -1
+    # The hub this domain's channels share, or NULL (called with the GIL).
+    cdef fab_hub* hub(self, object domain) except? NULL
 
 from fabric._posix cimport snprintf, strerror, EPROTO
 

@@ -1,6 +1,5 @@
 # cython: language_level=3
 """Base class of every backend (see interface.pxd for the contract)."""
-from fabric._posix cimport close
 from fabric.backends.sockets cimport connect_socket, tune_socket
 
 
@@ -18,13 +17,26 @@ cdef class Backend:
         tune_socket(fd, int(options.get("tcp_user_timeout_ms", 30000)), int(options.get("tcp_keepalive_s", 10)))
         return fd
 
-    cdef fab_channel* attach(self, object domain, int fd, size_t max_recv, dict options) except NULL:
-        close(fd)
+    def _tune(self, int fd, dict options):
+        """What dial() sets on a socket, for sockets connected elsewhere
+        (asyncio's own non-blocking connect)."""
+        tune_socket(fd, int(options.get("tcp_user_timeout_ms", 30000)), int(options.get("tcp_keepalive_s", 10)))
+
+    cdef int prepare_attach(self, object domain, dict options, fab_attach* out) except -1:
         raise NotImplementedError
+
+    cdef fab_hub* hub(self, object domain) except? NULL:
+        return NULL
 
     def open_domain(self, dict options):
         """Per-Fabric backend state, kept alive by the Fabric; None if unused."""
         return None
+
+    def close_domain(self, domain):
+        """Release the per-Fabric state now (the Fabric is closing and every
+        channel and listener of the domain is closed)."""
+        if domain is not None and hasattr(domain, "close"):
+            domain.close()
 
     def default_options(self):
         """Per-backend defaults of the engine's thresholds (see fabric.options)."""

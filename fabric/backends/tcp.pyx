@@ -709,9 +709,15 @@ cdef class TcpBackend(Backend):
         l.keepalive_s = int(options.get("tcp_keepalive_s", 10))
         return &l.base
 
-    cdef fab_channel* attach(self, object domain, int fd, size_t max_recv, dict options) except NULL:
-        cdef fab_channel* ch = new_channel(fd, max_recv)
-        if ch == NULL:
-            close(fd)
-            raise MemoryError()
-        return ch
+    cdef int prepare_attach(self, object domain, dict options, fab_attach* out) except -1:
+        out.attach = tcp_attach
+        out.domain = NULL
+        out.recv_depth = recv_depth_for(options)
+        return 0
+
+
+cdef fab_channel* tcp_attach(void* domain, int fd, size_t max_recv, uint32_t recv_depth) noexcept nogil:
+    cdef fab_channel* ch = new_channel(fd, max_recv)
+    if ch == NULL:
+        close(fd)
+    return ch

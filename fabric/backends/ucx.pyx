@@ -7,8 +7,19 @@ bootstrap socket stays open as a liveness monitor (UCX's own peer-failure
 detection covers the rest). Fabric messages travel as UCP active messages
 (always eager, whole, kept by UCX until the next poll: no copy); the engine's
 rendezvous pulls run on ucp_get_nbx from regions mapped with ucp_mem_map,
-whose packed rkeys travel in the engine's RNDV frames. Blocking waits use the
-worker's event fd (ucp_worker_arm), so an idle endpoint costs no CPU.
+whose packed rkeys travel in the engine's RNDV frames.
+
+Waiting: the domain is the channels' hub (interface.pxd). Its fd is the UCX
+worker's event fd (ucp_worker_arm), watched once per Fabric; driving the
+worker routes each active message and completion to its channel's queue and
+marks that channel ready. A channel's own fd is its bootstrap socket
+(readable when the peer goes away), so an idle endpoint costs no CPU and a
+thousand of them cost a thousand sockets, not a thousand epoll sets.
+
+Closing never waits for UCX: requests a forced ucp_ep_close cannot cancel
+at once (shared memory cannot report a dead peer, so its rendezvous sends
+stay pending) keep the channel as a zombie of the domain until they complete
+or the domain goes.
 
 Bootstrap message, each way, little-endian:
     "FUCX" | u16 version 1 | u16 0 | u64 channel key | u32 address length | address
@@ -106,6 +117,8 @@ cdef extern from "ucx_shim.h" nogil:
     void ucp_am_data_release(ucp_worker_h worker, void* data)
     const char* ucs_status_string(ucs_status_t status)
 
+cdef double CLOSE_GRACE = 0.02    # seconds close() lets a live peer's cancellations complete
+
 cdef enum:
     BOOT_MAGIC = 0x58435546      # "FUCX"
     BOOT_VERSION = 1
@@ -154,6 +167,7 @@ cdef struct ucx_deferred:
     ucp_dt_iov_t iov[1]  # iovcnt entries
 
 cdef struct ucx_domain:
+    fab_hub hub          # first: the engine's view of the domain (efd, progress, arm)
     ucp_context_h context
     ucp_worker_h worker
     int efd
@@ -162,6 +176,8 @@ cdef struct ucx_domain:
     ucx_chan** chans     # channel table, for routing active messages
     uint32_t* gens
     uint32_t nchans
+    ucx_chan* zombies    # closed channels whose requests UCX still holds
+    int closing          # the Fabric closes it: stop at nothing
 
 cdef struct ucx_chan:
     fab_channel base
@@ -191,13 +207,21 @@ cdef struct ucx_chan:
     ucx_event* handed          # RECV data handed out by the last poll, released at the next
     uint32_t nhanded
     uint32_t handed_cap
-    int inflight               # UCX requests that still reference this channel
-    int closed                 # closed by the engine; freed when inflight drops to 0
+    ucx_req* reqs              # UCX requests that still reference this channel
+    int closed                 # closed by the engine; freed once reqs is empty
+    void* close_req            # the forced ucp_ep_close, while UCX completes it
+    ucx_chan* zombie_next
+    ucx_chan* zombie_prev
+    int is_zombie
+    int released               # ucx_close released everything but what UCX may still name
     fab_regnode* mrs
     ucx_large* large           # native chunks arrived or awaited
 
 cdef struct ucx_req:
     ucx_chan* ch
+    ucx_req* prev              # the channel's in-flight list
+    ucx_req* next
+    void* sp                   # UCX's request handle
     int kind
     uint64_t ctx
     ucp_rkey_h rkey
@@ -272,9 +296,20 @@ cdef class UcxDomain:
     cdef ucx_domain* d
 
     def __dealloc__(self):
-        if self.d != NULL:
-            domain_unref(self.d)
-            self.d = NULL
+        self.close()
+
+    def close(self):
+        """The Fabric is closing (its channels and listeners are closed):
+        give up on requests zombie channels still wait for and release the
+        context once nothing else holds it. Idempotent."""
+        cdef ucx_domain* d = self.d
+        if d == NULL:
+            return
+        self.d = NULL
+        with nogil:
+            d.closing = 1
+            destroy_zombies(d)
+            domain_unref(d)
 
     @property
     def refs(self):
@@ -293,7 +328,7 @@ cdef int push_event(ucx_chan* ch, int kind, int status, uint64_t ctx, char* data
         n = ch.qcap * 2 if ch.qcap else 64
         grown = <ucx_event*>malloc(n * sizeof(ucx_event))
         if grown == NULL:
-            fab_fail(&ch.base, ENOMEM, "completion queue")
+            fail_ready(ch, ENOMEM, "completion queue")
             return -1
         for i in range(ch.qcount):
             grown[i] = ch.q[(ch.qhead + i) % ch.qcap]
@@ -309,6 +344,8 @@ cdef int push_event(ucx_chan* ch, int kind, int status, uint64_t ctx, char* data
     ch.q[i].length = length
     ch.q[i].am_data = am_data
     ch.qcount += 1
+    if not ch.closed:
+        hub_mark_ready(&ch.dom.hub, &ch.base)
     return 0
 
 cdef void release_data(ucx_chan* ch, ucx_event* ev) noexcept nogil:
@@ -319,17 +356,101 @@ cdef void release_data(ucx_chan* ch, ucx_event* ev) noexcept nogil:
             free(ev.data)
         ev.data = NULL
 
+cdef void req_track(ucx_chan* ch, ucx_req* r, void* sp) noexcept nogil:
+    r.sp = sp
+    r.prev = NULL
+    r.next = ch.reqs
+    if ch.reqs != NULL:
+        ch.reqs.prev = r
+    ch.reqs = r
+
+cdef void req_untrack(ucx_chan* ch, ucx_req* r) noexcept nogil:
+    if r.prev != NULL:
+        r.prev.next = r.next
+    else:
+        ch.reqs = r.next
+    if r.next != NULL:
+        r.next.prev = r.prev
+    r.prev = r.next = NULL
+
+cdef int fail_ready(ucx_chan* ch, int err, const char* what) noexcept nogil:
+    """fab_fail, and make the engine poll the channel to learn of it."""
+    cdef int rc = fab_fail(&ch.base, err, what)
+    if not ch.closed:
+        hub_mark_ready(&ch.dom.hub, &ch.base)
+    return rc
+
+cdef int close_pending(ucx_chan* ch) noexcept nogil:
+    """1 while UCX still completes the channel's forced ucp_ep_close."""
+    if ch.close_req == NULL:
+        return 0
+    if ucp_request_check_status(ch.close_req) == UCS_INPROGRESS:
+        return 1
+    ucp_request_free(ch.close_req)
+    ch.close_req = NULL
+    return 0
+
 cdef void maybe_free_channel(ucx_chan* ch) noexcept nogil:
     """A closed channel goes once UCX no longer holds requests naming it."""
     cdef uint32_t i
-    if not ch.closed or ch.inflight > 0:
+    cdef ucx_domain* d = ch.dom
+    if not ch.closed or not ch.released or ch.reqs != NULL or close_pending(ch):
         return
+    if ch.is_zombie:
+        if ch.zombie_prev != NULL:
+            ch.zombie_prev.zombie_next = ch.zombie_next
+        else:
+            d.zombies = ch.zombie_next
+        if ch.zombie_next != NULL:
+            ch.zombie_next.zombie_prev = ch.zombie_prev
     for i in range(ch.qcount):
         release_data(ch, &ch.q[(ch.qhead + i) % ch.qcap])
     free(ch.q)
     free(ch.handed)
-    domain_unref(ch.dom)
     free(ch)
+    domain_unref(d)
+
+cdef void sweep_zombies(ucx_domain* d) noexcept nogil:
+    cdef ucx_chan* ch = d.zombies
+    cdef ucx_chan* nxt
+    while ch != NULL:
+        nxt = ch.zombie_next
+        maybe_free_channel(ch)
+        ch = nxt
+
+cdef void destroy_zombies(ucx_domain* d) noexcept nogil:
+    """The domain goes: hand every request still held back to UCX (no
+    callback follows) and free the channels."""
+    cdef ucx_chan* ch
+    cdef ucx_req* r
+    while d.zombies != NULL:
+        ch = d.zombies
+        while ch.reqs != NULL:
+            r = ch.reqs
+            req_untrack(ch, r)
+            if r.rkey != NULL:
+                ucp_rkey_destroy(r.rkey)
+            ucp_request_free(r.sp)
+            free(r)
+        if ch.close_req != NULL:
+            ucp_request_free(ch.close_req)
+            ch.close_req = NULL
+        maybe_free_channel(ch)
+
+cdef int ucx_hub_progress(fab_hub* hub) noexcept nogil:
+    cdef ucx_domain* d = <ucx_domain*>hub
+    cdef int rounds = 0
+    while rounds < 64 and ucp_worker_progress(d.worker) != 0:
+        rounds += 1
+    if rounds:
+        hub.activity += 1
+    if d.zombies != NULL:
+        sweep_zombies(d)
+    return rounds
+
+cdef int ucx_hub_arm(fab_hub* hub) noexcept nogil:
+    cdef ucx_domain* d = <ucx_domain*>hub
+    return ucp_worker_arm(d.worker) == UCS_ERR_BUSY
 
 cdef void on_request_done(void* request, ucs_status_t status, void* user_data) noexcept nogil:
     """Completion of a send or a get (runs inside ucp_worker_progress)."""
@@ -337,11 +458,11 @@ cdef void on_request_done(void* request, ucs_status_t status, void* user_data) n
     cdef ucx_chan* ch = r.ch
     if r.rkey != NULL:
         ucp_rkey_destroy(r.rkey)
-    ch.inflight -= 1
+    req_untrack(ch, r)
     if not ch.closed:
         if r.kind == R_SEND or r.kind == R_LARGE_SEND:
             if status != UCS_OK:
-                fab_fail(&ch.base, ECONNRESET, ucs_status_string(status))
+                fail_ready(ch, ECONNRESET, ucs_status_string(status))
             push_event(ch, FAB_EV_SEND, 0, r.ctx, NULL, 0, 0)
         else:
             push_event(ch, FAB_EV_READ, 0 if status == UCS_OK else -13, r.ctx, NULL, 0, 0)
@@ -354,7 +475,7 @@ cdef void on_ep_error(void* arg, ucp_ep_h ep, ucs_status_t status) noexcept nogi
     cdef ucx_chan* ch = <ucx_chan*>arg
     ch.ep_failed = 1
     if not ch.closed:
-        fab_fail(&ch.base, ECONNRESET, ucs_status_string(status))
+        fail_ready(ch, ECONNRESET, ucs_status_string(status))
 
 cdef ucs_status_t on_am(void* arg, const void* header, size_t header_length, void* data,
                         size_t length, const ucp_am_recv_param_t* param) noexcept nogil:
@@ -371,7 +492,7 @@ cdef ucs_status_t on_am(void* arg, const void* header, size_t header_length, voi
     if header_length == 16:
         return large_arrived(ch, rd64(<const char*>header + 8), data, length, param.recv_attr)
     if length > ch.base.max_recv:
-        fab_fail(&ch.base, EPROTO, "peer sent a fabric message larger than this endpoint accepts")
+        fail_ready(ch, EPROTO, "peer sent a fabric message larger than this endpoint accepts")
         return UCS_OK
     if param.recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA:
         if push_event(ch, FAB_EV_RECV, 0, 0, <char*>data, length, 1) < 0:
@@ -379,7 +500,7 @@ cdef ucs_status_t on_am(void* arg, const void* header, size_t header_length, voi
         return UCS_INPROGRESS
     copy = <char*>malloc(length if length else 1)
     if copy == NULL:
-        fab_fail(&ch.base, ENOMEM, "receive")
+        fail_ready(ch, ENOMEM, "receive")
         return UCS_OK
     memcpy(copy, data, length)
     push_event(ch, FAB_EV_RECV, 0, 0, copy, length, 0)
@@ -392,7 +513,7 @@ cdef int post_am(ucx_chan* ch, ucp_dt_iov_t* iov, int iovcnt, uint64_t ctx, int 
     cdef ucx_req* r = <ucx_req*>malloc(sizeof(ucx_req) + iovcnt * sizeof(ucp_dt_iov_t))
     cdef ucs_status_ptr_t sp
     if r == NULL:
-        return fab_fail(&ch.base, ENOMEM, "send")
+        return fail_ready(ch, ENOMEM, "send")
     r.ch = ch
     r.kind = R_SEND
     r.ctx = ctx
@@ -407,19 +528,19 @@ cdef int post_am(ucx_chan* ch, ucp_dt_iov_t* iov, int iovcnt, uint64_t ctx, int 
         return FAB_DONE
     if fab_ucx_is_err(sp):
         free(r)
-        return fab_fail(&ch.base, ECONNRESET, ucs_status_string(fab_ucx_status(sp)))
-    ch.inflight += 1
+        return fail_ready(ch, ECONNRESET, ucs_status_string(fab_ucx_status(sp)))
+    req_track(ch, r, sp)
     return FAB_PENDING
 
 cdef int boot_make(ucx_chan* ch) noexcept nogil:
     cdef ucp_address_t* address
     cdef size_t alen
     if ucp_worker_get_address(ch.dom.worker, &address, &alen) != UCS_OK:
-        return fab_fail(&ch.base, EIO_, "ucp_worker_get_address failed")
+        return fail_ready(ch, EIO_, "ucp_worker_get_address failed")
     ch.bout = <char*>malloc(BOOT_FIXED + alen)
     if ch.bout == NULL:
         ucp_worker_release_address(ch.dom.worker, address)
-        return fab_fail(&ch.base, ENOMEM, "bootstrap")
+        return fail_ready(ch, ENOMEM, "bootstrap")
     wr32(ch.bout, BOOT_MAGIC)
     wr32(ch.bout + 4, BOOT_VERSION)
     wr64(ch.bout + 8, ch.key)
@@ -430,7 +551,7 @@ cdef int boot_make(ucx_chan* ch) noexcept nogil:
     ch.bin = <char*>malloc(BOOT_FIXED)
     ch.bin_need = BOOT_FIXED
     if ch.bin == NULL:
-        return fab_fail(&ch.base, ENOMEM, "bootstrap")
+        return fail_ready(ch, ENOMEM, "bootstrap")
     return 0
 
 cdef int boot_progress(ucx_chan* ch) noexcept nogil:
@@ -448,26 +569,26 @@ cdef int boot_progress(ucx_chan* ch) noexcept nogil:
         if r < 0:
             if errno == EAGAIN or errno == EINTR:
                 break
-            return fab_fail(&ch.base, errno, "bootstrap send")
+            return fail_ready(ch, errno, "bootstrap send")
         ch.bout_done += <size_t>r
     while ch.bin_len < ch.bin_need:
         r = recv(ch.sock, ch.bin + ch.bin_len, ch.bin_need - ch.bin_len, MSG_DONTWAIT)
         if r == 0:
-            return fab_fail(&ch.base, ECONNRESET, "peer closed the bootstrap connection")
+            return fail_ready(ch, ECONNRESET, "peer closed the bootstrap connection")
         if r < 0:
             if errno == EAGAIN or errno == EINTR:
                 return 0
-            return fab_fail(&ch.base, errno, "bootstrap recv")
+            return fail_ready(ch, errno, "bootstrap recv")
         ch.bin_len += <size_t>r
         if ch.bin_len == BOOT_FIXED and ch.bin_need == BOOT_FIXED:
             alen = rd32(ch.bin + 16)
             if rd32(ch.bin) != BOOT_MAGIC or rd32(ch.bin + 4) != BOOT_VERSION:
-                return fab_fail(&ch.base, EPROTO, "peer is not a fabric ucx endpoint (bad bootstrap)")
+                return fail_ready(ch, EPROTO, "peer is not a fabric ucx endpoint (bad bootstrap)")
             if alen == 0 or alen > MAX_ADDRESS:
-                return fab_fail(&ch.base, EPROTO, "peer sent an implausible UCX worker address")
+                return fail_ready(ch, EPROTO, "peer sent an implausible UCX worker address")
             grown = <char*>realloc(ch.bin, BOOT_FIXED + alen)
             if grown == NULL:
-                return fab_fail(&ch.base, ENOMEM, "bootstrap")
+                return fail_ready(ch, ENOMEM, "bootstrap")
             ch.bin = grown
             ch.bin_need = BOOT_FIXED + alen
     if ch.bout_done < ch.bout_len or ch.bin_len < ch.bin_need:
@@ -481,11 +602,8 @@ cdef int boot_progress(ucx_chan* ch) noexcept nogil:
     if st != UCS_OK:
         st = fab_ucx_ep_create(ch.dom.worker, <ucp_address_t*>(ch.bin + BOOT_FIXED), 0, on_ep_error, ch, &ch.ep)
     if st != UCS_OK:
-        return fab_fail(&ch.base, ECONNREFUSED_, "cannot reach the peer's UCX worker (check UCX_TLS on both sides)")
+        return fail_ready(ch, ECONNREFUSED_, "cannot reach the peer's UCX worker (check UCX_TLS on both sides)")
     ch.state = ST_READY
-    ev.events = EPOLLIN
-    ev.data.u64 = 1
-    epoll_ctl(ch.base.fd, EPOLL_CTL_MOD, ch.sock, &ev)
     free(ch.bin)
     free(ch.bout)
     ch.bin = ch.bout = NULL
@@ -519,7 +637,7 @@ cdef void large_unlink(ucx_chan* ch, ucx_large* e) noexcept nogil:
 cdef void on_large_received(void* request, ucs_status_t status, size_t length, void* user_data) noexcept nogil:
     cdef ucx_req* r = <ucx_req*>user_data
     cdef ucx_chan* ch = r.ch
-    ch.inflight -= 1
+    req_untrack(ch, r)
     if not ch.closed:
         push_event(ch, FAB_EV_READ, 0 if status == UCS_OK else -13, r.ctx, NULL, 0, 0)
     if request != NULL:
@@ -547,7 +665,7 @@ cdef int large_start(ucx_chan* ch, ucx_large* e, int in_callback) noexcept nogil
     r = <ucx_req*>malloc(sizeof(ucx_req))
     if r == NULL:
         free(e)
-        return fab_fail(&ch.base, ENOMEM, "receive")
+        return fail_ready(ch, ENOMEM, "receive")
     r.ch = ch
     r.kind = R_LARGE_RECV
     r.ctx = e.ctx
@@ -561,7 +679,7 @@ cdef int large_start(ucx_chan* ch, ucx_large* e, int in_callback) noexcept nogil
         push_event(ch, FAB_EV_READ, -13, r.ctx, NULL, 0, 0)
         free(r)
     else:
-        ch.inflight += 1
+        req_track(ch, r, sp)
     return 0
 
 cdef ucs_status_t large_arrived(ucx_chan* ch, uint64_t tag, void* data, size_t length,
@@ -573,13 +691,13 @@ cdef ucs_status_t large_arrived(ucx_chan* ch, uint64_t tag, void* data, size_t l
     if e == NULL:
         e = <ucx_large*>calloc(1, sizeof(ucx_large))
         if e == NULL:
-            fab_fail(&ch.base, ENOMEM, "receive")
+            fail_ready(ch, ENOMEM, "receive")
             return UCS_OK
         e.tag = tag
         e.next = ch.large
         ch.large = e
     elif e.desc != NULL:
-        fab_fail(&ch.base, EPROTO, "peer sent two native chunks with one tag")
+        fail_ready(ch, EPROTO, "peer sent two native chunks with one tag")
         return UCS_OK
     e.desc = data
     e.length = length
@@ -590,7 +708,7 @@ cdef ucs_status_t large_arrived(ucx_chan* ch, uint64_t tag, void* data, size_t l
     if not rndv and not (attr & UCP_AM_RECV_ATTR_FLAG_DATA):
         e.desc = malloc(length if length else 1)      # UCX will not keep it: copy
         if e.desc == NULL:
-            fab_fail(&ch.base, ENOMEM, "receive")
+            fail_ready(ch, ENOMEM, "receive")
             return UCS_OK
         memcpy(e.desc, data, length)
         e.is_data = 2
@@ -621,7 +739,7 @@ cdef int ucx_send_large(fab_channel* fch, void* src, size_t length, uint64_t tag
     if fab_ucx_is_err(sp):
         free(r)
         return fab_fail(fch, ECONNRESET, ucs_status_string(fab_ucx_status(sp)))
-    ch.inflight += 1
+    req_track(ch, r, sp)
     return FAB_PENDING
 
 cdef int ucx_recv_large(fab_channel* fch, void* dst, size_t length, uint64_t tag, uint64_t ctx) noexcept nogil:
@@ -748,7 +866,7 @@ cdef int ucx_read(fab_channel* fch, void* dst, fab_mr* dst_mr, size_t length, ui
         free(r)
         push_event(ch, FAB_EV_READ, -13, ctx, NULL, 0, 0)
         return FAB_PENDING
-    ch.inflight += 1
+    req_track(ch, r, sp)
     return FAB_PENDING
 
 cdef int ucx_cancel_read(fab_channel* fch, uint64_t ctx) noexcept nogil:
@@ -761,11 +879,13 @@ cdef void check_liveness(ucx_chan* ch) noexcept nogil:
     if r == 0 or (r < 0 and errno != EAGAIN and errno != EINTR):
         ch.peer_gone = 1
     elif r > 0:
-        fab_fail(&ch.base, EPROTO, "unexpected bytes on the bootstrap connection")
+        fail_ready(ch, EPROTO, "unexpected bytes on the bootstrap connection")
 
 cdef int ucx_poll(fab_channel* fch, fab_completion* out, int max_events) noexcept nogil:
+    """Deliver what the hub queued for this channel (the hub drives the UCX
+    worker); progress the bootstrap; watch the bootstrap socket."""
     cdef ucx_chan* ch = <ucx_chan*>fch
-    cdef int n = 0, rounds
+    cdef int n = 0
     cdef uint32_t i
     cdef ucx_event* ev
     cdef ucx_event* grown
@@ -775,12 +895,9 @@ cdef int ucx_poll(fab_channel* fch, fab_completion* out, int max_events) noexcep
     ch.nhanded = 0
     if not fch.failed and ch.state == ST_BOOT:
         boot_progress(ch)
-    rounds = 0
-    while rounds < 64 and ucp_worker_progress(ch.dom.worker) != 0:
-        fch.activity += 1
-        rounds += 1
     ch.polls += 1
-    if ch.state == ST_READY and not ch.peer_gone and (ch.polls % LIVENESS_EVERY) == 0:
+    if (ch.state == ST_READY and not ch.peer_gone
+            and (fch.revents or (ch.polls % LIVENESS_EVERY) == 0)):
         check_liveness(ch)
     while ch.qcount > 0 and n < max_events:
         ev = &ch.q[ch.qhead]
@@ -815,30 +932,21 @@ cdef int ucx_poll(fab_channel* fch, fab_completion* out, int max_events) noexcep
     return n
 
 cdef int ucx_arm(fab_channel* fch, uint32_t* events) noexcept nogil:
+    """The socket's events (the hub arms the UCX worker itself)."""
     cdef ucx_chan* ch = <ucx_chan*>fch
-    cdef ucs_status_t st
-    cdef epoll_event ev
     if fch.failed or ch.qcount > 0 or ch.peer_gone:
         return 1
     if ch.state == ST_READY:
-        check_liveness(ch)
-        if ch.peer_gone or fch.failed:
-            return 1
-        st = ucp_worker_arm(ch.dom.worker)
-        if st == UCS_ERR_BUSY:
-            return 1
+        events[0] = EPOLLIN            # the peer going away
     else:
-        # bootstrap: wait for the socket (writable while our message is out)
-        ev.events = EPOLLIN | (EPOLLOUT if ch.bout_done < ch.bout_len else 0)
-        ev.data.u64 = 1
-        epoll_ctl(fch.fd, EPOLL_CTL_MOD, ch.sock, &ev)
-    events[0] = EPOLLIN
+        # bootstrap: readable for the peer's message, writable while ours is out
+        events[0] = EPOLLIN | (EPOLLOUT if ch.bout_done < ch.bout_len else 0)
     return 0
 
 cdef void ucx_close(fab_channel* fch) noexcept nogil:
-    """Close the UCP endpoint (forced: outstanding requests are cancelled),
-    release every mapping, and free the channel once UCX holds no request
-    naming it."""
+    """Close the UCP endpoint (forced: outstanding requests are cancelled) and
+    release every mapping, without waiting for UCX: what it cannot cancel at
+    once keeps the channel as a zombie of the domain (see the module doc)."""
     cdef ucx_chan* ch = <ucx_chan*>fch
     cdef ucs_status_ptr_t sp
     cdef double deadline
@@ -849,20 +957,21 @@ cdef void ucx_close(fab_channel* fch) noexcept nogil:
     cdef ucx_domain* d = ch.dom
     if ch.closed:
         return
+    ch.closed = 1             # from here on callbacks queue nothing for it
+    hub_unready(&d.hub, fch)
     if (ch.key & 0xFFFFFFFFU) < d.nchans and d.chans[ch.key & 0xFFFFFFFFU] == ch:
         d.chans[ch.key & 0xFFFFFFFFU] = NULL
     if ch.ep != NULL:
         sp = fab_ucx_ep_close(ch.ep, 1)
         if fab_ucx_is_ptr(sp):
-            deadline = monotonic_now() + 5.0
-            while ucp_request_check_status(sp) == UCS_INPROGRESS and monotonic_now() < deadline:
-                ucp_worker_progress(d.worker)
-            ucp_request_free(sp)
+            ch.close_req = sp
         ch.ep = NULL
-    # cancelled requests complete during progress; give them a bounded chance
-    deadline = monotonic_now() + 5.0
-    while ch.inflight > 0 and monotonic_now() < deadline:
-        ucp_worker_progress(d.worker)
+    # Cancelled requests of a live peer complete within a few progress
+    # rounds; a peer that is gone may never let them: do not wait for it.
+    if not (ch.peer_gone or ch.ep_failed or d.closing):
+        deadline = monotonic_now() + CLOSE_GRACE
+        while (ch.reqs != NULL or close_pending(ch)) and monotonic_now() < deadline:
+            ucp_worker_progress(d.worker)
     for i in range(ch.nhanded):
         release_data(ch, &ch.handed[i])
     ch.nhanded = 0
@@ -886,20 +995,29 @@ cdef void ucx_close(fab_channel* fch) noexcept nogil:
         free(lg)
     free(ch.bin)
     free(ch.bout)
+    ch.bin = ch.bout = NULL
     if ch.sock >= 0:
         close(ch.sock)
-    if fch.fd >= 0:
-        close(fch.fd)
-        fch.fd = -1
-    ch.closed = 1
-    maybe_free_channel(ch)
+    ch.sock = -1
+    fch.fd = -1
+    ch.released = 1
+    if ch.reqs != NULL or close_pending(ch):
+        ch.is_zombie = 1
+        ch.zombie_prev = NULL
+        ch.zombie_next = d.zombies
+        if d.zombies != NULL:
+            d.zombies.zombie_prev = ch
+        d.zombies = ch
+    else:
+        maybe_free_channel(ch)
 
 
 # ------------------------------------------------------------- set-up
 
 cdef fab_channel* new_channel(ucx_domain* d, int sock, size_t max_recv) noexcept nogil:
+    """A channel in bootstrap on a connected socket; NULL (fd not closed) if
+    none can be made."""
     cdef ucx_chan* ch = <ucx_chan*>calloc(1, sizeof(ucx_chan))
-    cdef epoll_event ev
     if ch == NULL:
         return NULL
     ch.base.ops = &UCX_OPS
@@ -907,27 +1025,19 @@ cdef fab_channel* new_channel(ucx_domain* d, int sock, size_t max_recv) noexcept
                     | FAB_CAP_NATIVE_LARGE)
     ch.base.max_recv = max_recv
     ch.base.send_depth = 64
+    ch.base.hub = &d.hub
+    ch.base.fd = sock
     ch.dom = d
     ch.sock = sock
     ch.state = ST_BOOT
-    domain_ref(&d.refs)
-    # A private epoll set joins the worker's event fd (shared by every channel
-    # of this Fabric) and the bootstrap socket into the one fd the engine watches.
-    ch.base.fd = epoll_create1(EPOLL_CLOEXEC)
-    ch.key = domain_add(d, ch)
-    if ch.base.fd < 0 or ch.key == 0:
-        ch.closed = 1
-        if ch.base.fd >= 0:
-            close(ch.base.fd)
-        domain_unref_last(&d.refs)     # never the last: the caller holds one
+    if d.closing:
         free(ch)
         return NULL
-    ev.events = EPOLLIN
-    ev.data.u64 = 0
-    epoll_ctl(ch.base.fd, EPOLL_CTL_ADD, d.efd, &ev)
-    ev.events = EPOLLIN | EPOLLOUT
-    ev.data.u64 = 1
-    epoll_ctl(ch.base.fd, EPOLL_CTL_ADD, sock, &ev)
+    ch.key = domain_add(d, ch)
+    if ch.key == 0:
+        free(ch)
+        return NULL
+    domain_ref(&d.refs)
     local_and_peer_names(sock, ch.base.local_name, ch.base.peer_name, 64)
     if boot_make(ch) < 0:
         return &ch.base           # failed: the engine reports it and closes
@@ -1015,10 +1125,16 @@ cdef class UcxBackend(Backend):
         dom.d = d
         if ucp_worker_get_efd(d.worker, &d.efd) != UCS_OK:
             raise OSError("UCX worker has no event fd")
+        d.hub.fd = d.efd
+        d.hub.progress = ucx_hub_progress
+        d.hub.arm = ucx_hub_arm
         st = fab_ucx_set_am_handler(d.worker, on_am, d)
         if st != UCS_OK:
             raise OSError(f"UCX active-message handler: {ucs_status_string(st).decode()}")
         return dom
+
+    cdef fab_hub* hub(self, object domain) except? NULL:
+        return &(<UcxDomain?>domain).d.hub
 
     cdef fab_listener* listen(self, object domain, str host, int port, dict options) except NULL:
         cdef ucx_domain* d = (<UcxDomain?>domain).d
@@ -1036,10 +1152,15 @@ cdef class UcxBackend(Backend):
         domain_ref(&d.refs)
         return &l.base
 
-    cdef fab_channel* attach(self, object domain, int fd, size_t max_recv, dict options) except NULL:
-        cdef ucx_domain* d = (<UcxDomain?>domain).d
-        cdef fab_channel* ch = new_channel(d, fd, max_recv)
-        if ch == NULL:
-            close(fd)
-            raise MemoryError()
-        return ch
+    cdef int prepare_attach(self, object domain, dict options, fab_attach* out) except -1:
+        out.attach = ucx_attach
+        out.domain = (<UcxDomain?>domain).d
+        out.recv_depth = recv_depth_for(options)
+        return 0
+
+
+cdef fab_channel* ucx_attach(void* domain, int fd, size_t max_recv, uint32_t recv_depth) noexcept nogil:
+    cdef fab_channel* ch = new_channel(<ucx_domain*>domain, fd, max_recv)
+    if ch == NULL:
+        close(fd)
+    return ch

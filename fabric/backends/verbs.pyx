@@ -1,10 +1,12 @@
 # cython: language_level=3
 """The raw ibverbs fabric (RC queue pairs; Soft-RoCE is this on an rxe device).
 
-Per Fabric: the device context and a protection domain (the "domain"). Per
-connection: a completion channel, a CQ and an RC QP, connected through a TCP
-bootstrap that exchanges QPN, PSN, GID, LID, path MTU and read depth; the
-socket stays open as a liveness monitor. Receives land in a registered pool of
+Per Fabric: the device context, a protection domain and one completion
+channel (the "domain", also the channels' hub: one descriptor to wait on for
+every connection of the Fabric; a CQ event names its channel). Per
+connection: a CQ and an RC QP, connected through a TCP bootstrap that
+exchanges QPN, PSN, GID, LID, path MTU and read depth; the socket stays open
+as a liveness monitor and is the channel's own descriptor. Receives land in a registered pool of
 `recv_depth` buffers posted before the bootstrap completes; sends are SENDs
 (inline up to max_inline_data); the engine's pulls are RDMA READs. The QP
 grants remote READ only: a peer can never write into our memory, and can read
@@ -118,8 +120,10 @@ cdef uint64_t WR_READ = 1ULL << 62
 
 
 cdef struct vb_domain:
+    fab_hub hub                 # first: the engine's view (completion channel fd)
     ibv_context* ctx
     ibv_pd* pd
+    ibv_comp_channel* cc        # every CQ of the domain reports here
     int port
     int gid_index
     int is_eth
@@ -139,7 +143,6 @@ cdef struct vb_deferred:
 cdef struct vb_chan:
     fab_channel base
     vb_domain* dom
-    ibv_comp_channel* cc
     ibv_cq* cq
     ibv_qp* qp
     uint32_t max_inline
@@ -187,15 +190,43 @@ VB_OPS.close = vb_close
 
 cdef void domain_unref(vb_domain* d) noexcept nogil:
     if domain_unref_last(&d.refs):
+        if d.cc != NULL:
+            ibv_destroy_comp_channel(d.cc)
         ibv_dealloc_pd(d.pd)
         ibv_close_device(d.ctx)
         free(d)
+
+
+cdef int vb_hub_progress(fab_hub* hub) noexcept nogil:
+    """Read the completion channel: each event names the CQ (and so the
+    channel) that has completions; the engine then polls those channels."""
+    cdef vb_domain* d = <vb_domain*>hub
+    cdef ibv_cq* ev_cq
+    cdef void* ev_ctx
+    cdef vb_chan* ch
+    cdef int n = 0
+    while ibv_get_cq_event(d.cc, &ev_cq, &ev_ctx) == 0:
+        ch = <vb_chan*>ev_ctx
+        ch.unacked += 1
+        hub_mark_ready(hub, &ch.base)
+        n += 1
+    if n:
+        hub.activity += 1
+    return n
+
+
+cdef int vb_hub_arm(fab_hub* hub) noexcept nogil:
+    return 0        # each channel re-arms its own CQ (vb_arm)
 
 
 cdef class VerbsDomain:
     cdef vb_domain* d
 
     def __dealloc__(self):
+        self.close()
+
+    def close(self):
+        """Drop the Fabric's reference (the device goes with the last channel)."""
         if self.d != NULL:
             domain_unref(self.d)
             self.d = NULL
@@ -236,9 +267,6 @@ cdef int go_ready(vb_chan* ch) noexcept nogil:
     if rc != 0:
         return fab_fail(&ch.base, rc, "moving the queue pair to RTS failed")
     ch.state = ST_READY
-    ev.events = EPOLLIN
-    ev.data.u64 = 1
-    epoll_ctl(ch.base.fd, EPOLL_CTL_MOD, ch.sock, &ev)
     while ch.deferred != NULL:
         dq = ch.deferred
         ch.deferred = dq.next
@@ -423,8 +451,6 @@ cdef int vb_poll(fab_channel* fch, fab_completion* out, int max_events) noexcept
     ch.nrepost = 0
     if ch.state == ST_BOOT and not fch.failed:
         boot_progress(ch)
-    while ibv_get_cq_event(ch.cc, &ev_cq, &ev_ctx) == 0:
-        ch.unacked += 1
     if ch.unacked >= 16:
         ibv_ack_cq_events(ch.cq, ch.unacked)
         ch.unacked = 0
@@ -443,7 +469,7 @@ cdef int vb_poll(fab_channel* fch, fab_completion* out, int max_events) noexcept
         for i in range(got):
             n = emit_wc(ch, &wc[i], out, n)
     ch.polls += 1
-    if ch.state == ST_READY and not ch.peer_gone and ch.polls % LIVENESS_EVERY == 0:
+    if ch.state == ST_READY and not ch.peer_gone and (fch.revents or ch.polls % LIVENESS_EVERY == 0):
         check_liveness(ch)
     if ch.peer_gone and n == 0 and not fch.failed:
         fab_fail(fch, ECONNRESET, "peer closed the connection")
@@ -457,26 +483,22 @@ cdef int vb_poll(fab_channel* fch, fab_completion* out, int max_events) noexcept
     return n
 
 cdef int vb_arm(fab_channel* fch, uint32_t* events) noexcept nogil:
+    """Ask for the CQ's next event (it comes through the hub) and name the
+    socket's events: the peer going away, or the bootstrap."""
     cdef vb_chan* ch = <vb_chan*>fch
-    cdef epoll_event ev
     cdef int got
     if fch.failed or ch.peer_gone or ch.nstash > 0 or ch.nrepost > 0:
         return 1
-    if ch.state == ST_READY:
-        check_liveness(ch)
-        if ch.peer_gone or fch.failed:
-            return 1
-    else:
-        ev.events = EPOLLIN | (EPOLLOUT if ch.bout_done < BOOT_SIZE else 0)
-        ev.data.u64 = 1
-        epoll_ctl(fch.fd, EPOLL_CTL_MOD, ch.sock, &ev)
     ibv_req_notify_cq(ch.cq, 0)
     # a completion that arrived before the request would not be signalled
     got = ibv_poll_cq(ch.cq, STASH, ch.stash)
     if got > 0:
         ch.nstash = got
         return 1
-    events[0] = EPOLLIN
+    if ch.state == ST_READY:
+        events[0] = EPOLLIN
+    else:
+        events[0] = EPOLLIN | (EPOLLOUT if ch.bout_done < BOOT_SIZE else 0)
     return 0
 
 cdef void vb_close(fab_channel* fch) noexcept nogil:
@@ -486,12 +508,11 @@ cdef void vb_close(fab_channel* fch) noexcept nogil:
     if ch.qp != NULL:
         fab_ib_qp_error(ch.qp)
         ibv_destroy_qp(ch.qp)      # no access to our memory after this
+    hub_unready(&ch.dom.hub, fch)
     if ch.unacked:
         ibv_ack_cq_events(ch.cq, ch.unacked)
     if ch.cq != NULL:
         ibv_destroy_cq(ch.cq)
-    if ch.cc != NULL:
-        ibv_destroy_comp_channel(ch.cc)
     while ch.mrs != NULL:
         node = ch.mrs
         ch.mrs = node.next
@@ -507,8 +528,7 @@ cdef void vb_close(fab_channel* fch) noexcept nogil:
     free(ch.repost)
     if ch.sock >= 0:
         close(ch.sock)
-    if fch.fd >= 0:
-        close(fch.fd)
+    fch.fd = -1
     domain_unref(ch.dom)
     free(ch)
 
@@ -517,11 +537,11 @@ cdef void vb_close(fab_channel* fch) noexcept nogil:
 
 cdef fab_channel* new_channel(vb_domain* d, int sock, size_t max_recv, uint32_t depth) noexcept nogil:
     cdef vb_chan* ch = <vb_chan*>calloc(1, sizeof(vb_chan))
-    cdef epoll_event ev
     cdef uint32_t i, psn = 0
     if ch == NULL:
         return NULL
     ch.base.ops = &VB_OPS
+    ch.base.hub = &d.hub
     ch.base.caps = FAB_CAP_NATIVE_READ
     ch.base.max_recv = max_recv
     ch.base.recv_depth = depth
@@ -530,18 +550,16 @@ cdef fab_channel* new_channel(vb_domain* d, int sock, size_t max_recv, uint32_t 
     domain_ref(&d.refs)
     ch.sock = sock
     ch.state = ST_BOOT
-    ch.base.fd = epoll_create1(EPOLL_CLOEXEC)
+    ch.base.fd = sock
     local_and_peer_names(sock, ch.base.local_name, ch.base.peer_name, 64)
-    ch.cc = ibv_create_comp_channel(d.ctx)
     ch.slot = max_recv
     ch.depth = depth
     ch.rbuf = <char*>malloc(depth * max_recv)
     ch.repost = <uint32_t*>malloc(depth * sizeof(uint32_t))
-    if ch.base.fd < 0 or ch.cc == NULL or ch.rbuf == NULL or ch.repost == NULL:
+    if ch.rbuf == NULL or ch.repost == NULL:
         fab_fail(&ch.base, ENOMEM, "cannot set up the connection")
         return &ch.base
-    fcntl(ch.cc.fd, F_SETFL, fcntl(ch.cc.fd, F_GETFL) | O_NONBLOCK)
-    ch.cq = ibv_create_cq(d.ctx, <int>(depth + SEND_DEPTH + READ_DEPTH + 16), NULL, ch.cc, 0)
+    ch.cq = ibv_create_cq(d.ctx, <int>(depth + SEND_DEPTH + READ_DEPTH + 16), <void*>ch, d.cc, 0)
     if ch.cq == NULL:
         fab_fail(&ch.base, errno if errno else ENOMEM, "ibv_create_cq")
         return &ch.base
@@ -570,12 +588,6 @@ cdef fab_channel* new_channel(vb_domain* d, int sock, size_t max_recv, uint32_t 
     ch.bout[34] = <char>d.active_mtu
     ch.bout[35] = 0
     wr32(ch.bout + 36, d.max_rd_atomic)
-    ev.events = EPOLLIN
-    ev.data.u64 = 0
-    epoll_ctl(ch.base.fd, EPOLL_CTL_ADD, ch.cc.fd, &ev)
-    ev.events = EPOLLIN | EPOLLOUT
-    ev.data.u64 = 1
-    epoll_ctl(ch.base.fd, EPOLL_CTL_ADD, sock, &ev)
     boot_progress(ch)
     return &ch.base
 
@@ -719,6 +731,16 @@ cdef class VerbsBackend(Backend):
             ibv_close_device(d.ctx)
             free(d)
             raise OSError(f"cannot allocate a protection domain on {dev}")
+        d.cc = ibv_create_comp_channel(d.ctx)
+        if d.cc == NULL:
+            ibv_dealloc_pd(d.pd)
+            ibv_close_device(d.ctx)
+            free(d)
+            raise OSError(f"cannot create a completion channel on {dev}")
+        fcntl(d.cc.fd, F_SETFL, fcntl(d.cc.fd, F_GETFL) | O_NONBLOCK)
+        d.hub.fd = d.cc.fd
+        d.hub.progress = vb_hub_progress
+        d.hub.arm = vb_hub_arm
         d.port = port
         d.gid_index = gid_index
         d.refs = 1
@@ -747,10 +769,18 @@ cdef class VerbsBackend(Backend):
         domain_ref(&d.refs)
         return &l.base
 
-    cdef fab_channel* attach(self, object domain, int fd, size_t max_recv, dict options) except NULL:
-        cdef vb_domain* d = (<VerbsDomain?>domain).d
-        cdef fab_channel* ch = new_channel(d, fd, max_recv, recv_depth_for(options))
-        if ch == NULL:
-            close(fd)
-            raise MemoryError()
-        return ch
+    cdef fab_hub* hub(self, object domain) except? NULL:
+        return &(<VerbsDomain?>domain).d.hub
+
+    cdef int prepare_attach(self, object domain, dict options, fab_attach* out) except -1:
+        out.attach = vb_attach
+        out.domain = (<VerbsDomain?>domain).d
+        out.recv_depth = recv_depth_for(options)
+        return 0
+
+
+cdef fab_channel* vb_attach(void* domain, int fd, size_t max_recv, uint32_t recv_depth) noexcept nogil:
+    cdef fab_channel* ch = new_channel(<vb_domain*>domain, fd, max_recv, recv_depth)
+    if ch == NULL:
+        close(fd)
+    return ch

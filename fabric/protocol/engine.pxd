@@ -3,7 +3,7 @@
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int64_t
 from cpython.buffer cimport Py_buffer
 from fabric._posix cimport pthread_mutex_t, pthread_cond_t, pthread_t
-from fabric.backends.interface cimport fab_channel, fab_listener, fab_mr, Backend
+from fabric.backends.interface cimport fab_channel, fab_listener, fab_mr, fab_hub, Backend
 
 cdef struct opts_t:
     size_t eager_limit          # largest message sent eagerly
@@ -108,15 +108,34 @@ cdef struct posted_t:
     char* result                # recv(): malloc'd message handed to the caller
     inmsg_t* msg                # bound message
 
+cdef struct qlink_t:
+    # An intrusive set membership (dirty, runnable, touched): O(1) add and remove.
+    qlink_t* prev
+    qlink_t* next
+    void* obj
+    int queued
+
 cdef struct node_t:
     int kind                    # KIND_EP / KIND_LST
     uint32_t slot
     uint64_t key
+    qlink_t touched             # progressed since an event loop last looked (fabric.aio)
 
 cdef struct ep_t:
     node_t node
     worker_t* w
     fab_channel* ch
+    qlink_t dirty               # its channel must be re-armed before anyone blocks
+    qlink_t runnable            # its channel said progress is possible without waiting
+    uint64_t hub_pass           # the hub pass that last progressed it
+    uint32_t caps               # the channel's capabilities (kept after it is closed)
+    char local_name[64]
+    char peer_name[64]
+    # a receive that completed while its caller was interrupted by a signal
+    # (or cancelled): the next receive takes it first
+    int has_stash
+    char* stash_data
+    size_t stash_len
     int state
     int closed                  # closed locally; the struct lives until its Endpoint is freed
     int err
@@ -210,3 +229,12 @@ cdef struct worker_t:
     int loop_polling            # an asyncio loop watches epfd (it is the poller)
     int loop_attached           # a loop has used this worker: progress elsewhere notifies it
     double last_app
+    fab_hub* hub                # the domain's shared progress (one fd for all its channels), or NULL
+    int hub_pending             # arm found the hub busy: run it before blocking
+    uint64_t hub_pass
+    qlink_t* dirty              # endpoints to re-arm before blocking
+    qlink_t* runnable           # endpoints that can progress without waiting
+    qlink_t* touched            # nodes progressed since the event loop last looked
+    int closed                  # Fabric.close(): every call fails, waits end
+    int in_wait                 # threads inside worker_wait (close waits for them to leave)
+    int fork_gen                # fork generation at creation: a forked child must not use it

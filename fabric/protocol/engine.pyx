@@ -36,6 +36,8 @@ from fabric.backends.interface cimport *
 from fabric.protocol.frame cimport *
 
 import errno as _errno
+import sys as _sys
+import warnings as _warnings
 from fabric import errors as _errors
 
 cdef enum:
@@ -64,6 +66,7 @@ cdef enum:
 
 cdef enum:
     ESHUTDOWN_ = 108     # closed, locally or by the peer's CLOSE
+    EBUSY_ = 16          # another receive is in progress
     EACCES_ = 13         # the peer refused a read, or offered a bad region
 
 cdef enum:
@@ -85,6 +88,7 @@ cdef enum:
 cdef uint32_t NO_CHUNK = 0xFFFFFFFFU
 cdef size_t NATIVE_CHUNK = 1 << 30
 cdef uint64_t WAKE_KEY = 0xFFFFFFFFFFFFFFFFU
+cdef uint64_t HUB_KEY = 0xFFFFFFFFFFFFFFFEU
 cdef double BG_GRACE = 0.001    # application idle this long before the thread polls
 
 
@@ -1109,6 +1113,7 @@ cdef void ep_settle(ep_t* ep) noexcept nogil:
         return
     ep.state = EP_DEAD
     err = ep.err
+    touch(ep.w, &ep.node)
     if ep.ch != NULL:
         if ep.ch.fd >= 0:
             epoll_ctl(ep.w.epfd, EPOLL_CTL_DEL, ep.ch.fd, NULL)
@@ -1160,11 +1165,10 @@ cdef void ep_settle(ep_t* ep) noexcept nogil:
             inmsg_maybe_free(m)
             m = n
     ep_deliver(ep)
-
-cdef void progress_ep(ep_t* ep) noexcept nogil:
-    """Non-blocking progress of one endpoint."""
+cdef void progress_ep_own(ep_t* ep) noexcept nogil:
+    """Non-blocking progress of one endpoint's channel (not its hub)."""
     cdef fab_completion ev[MAX_EVENTS]
-    cdef int n, i, k
+    cdef int n, i, k, before = ep.state, moved = 0
     cdef uint64_t tag
     cdef void* obj
     cdef slab_t** sp
@@ -1172,6 +1176,8 @@ cdef void progress_ep(ep_t* ep) noexcept nogil:
     if ep.state == EP_OPEN or ep.state == EP_HANDSHAKE:
         for k in range(8):    # bounded, so one busy endpoint cannot starve others
             n = ep.ch.ops.poll(ep.ch, ev, MAX_EVENTS)
+            ep.ch.revents = 0
+            moved |= n
             for i in range(n):
                 if ep.state != EP_OPEN and ep.state != EP_HANDSHAKE:
                     break
@@ -1217,9 +1223,79 @@ cdef void progress_ep(ep_t* ep) noexcept nogil:
             pull_ahead(ep)
         ep_deliver(ep)
     ep_settle(ep)
+    if ep.state == EP_OPEN or ep.state == EP_HANDSHAKE:
+        q_add(&ep.w.dirty, &ep.dirty)
+    if moved or ep.state != before:
+        touch(ep.w, &ep.node)
+
+cdef void hub_run(worker_t* w) noexcept nogil:
+    """Drive the shared engine of the domain, then progress every channel it
+    marked ready (and only those)."""
+    cdef fab_hub* hub = w.hub
+    cdef fab_channel* ch
+    cdef ep_t* ep
+    if hub == NULL:
+        return
+    w.hub_pass += 1
+    hub.progress(hub)
+    while True:
+        ch = hub_pop_ready(hub)
+        if ch == NULL:
+            break
+        ep = <ep_t*>ch.owner
+        if ep == NULL:
+            continue
+        ep.hub_pass = w.hub_pass
+        progress_ep_own(ep)
+        if ep.listener != NULL:
+            listener_sweep(ep.listener)
+
+cdef void progress_ep(ep_t* ep) noexcept nogil:
+    """Non-blocking progress of one endpoint (its hub first, if it has one:
+    the hub is where its completions come from)."""
+    cdef worker_t* w = ep.w
+    if ep.ch != NULL and ep.ch.hub != NULL and (ep.state == EP_OPEN or ep.state == EP_HANDSHAKE):
+        hub_run(w)
+        if ep.hub_pass == w.hub_pass:
+            return            # progressed by the hub just now
+    progress_ep_own(ep)
 
 
 # ====================================================================== worker
+
+cdef inline void q_add(qlink_t** head, qlink_t* l) noexcept nogil:
+    if l.queued:
+        return
+    l.queued = 1
+    l.prev = NULL
+    l.next = head[0]
+    if head[0] != NULL:
+        head[0].prev = l
+    head[0] = l
+
+cdef inline void q_remove(qlink_t** head, qlink_t* l) noexcept nogil:
+    if not l.queued:
+        return
+    if l.prev != NULL:
+        l.prev.next = l.next
+    else:
+        head[0] = l.next
+    if l.next != NULL:
+        l.next.prev = l.prev
+    l.prev = l.next = NULL
+    l.queued = 0
+
+cdef inline void* q_pop(qlink_t** head) noexcept nogil:
+    cdef qlink_t* l = head[0]
+    if l == NULL:
+        return NULL
+    q_remove(head, l)
+    return l.obj
+
+cdef inline void touch(worker_t* w, node_t* node) noexcept nogil:
+    """Tell an event loop that uses this worker that node moved."""
+    if w.loop_attached and node.key:
+        q_add(&w.touched, &node.touched)
 
 cdef uint64_t node_register(worker_t* w, node_t* node, int fd, uint32_t events) noexcept nogil:
     cdef uint32_t i, n
@@ -1248,10 +1324,12 @@ cdef uint64_t node_register(worker_t* w, node_t* node, int fd, uint32_t events) 
     w.slots[i] = node
     node.slot = i
     node.key = (<uint64_t>w.gens[i] << 32) | i
+    node.touched.obj = node
     ev.events = events
     ev.data.u64 = node.key
     if fd >= 0 and epoll_ctl(w.epfd, EPOLL_CTL_ADD, fd, &ev) != 0:
         w.slots[i] = NULL
+        node.key = 0
         return 0
     return node.key
 
@@ -1286,7 +1364,8 @@ cdef void send_hello(ep_t* ep) noexcept nogil:
         ep_channel_failed(ep)
 
 cdef ep_t* ep_create(worker_t* w, fab_channel* ch) noexcept nogil:
-    """A new endpoint in HANDSHAKE state on a connected channel; sends HELLO."""
+    """A new endpoint in HANDSHAKE state on a connected channel; sends HELLO.
+    Takes ownership of ch (closes it on failure)."""
     cdef ep_t* ep = <ep_t*>calloc(1, sizeof(ep_t))
     if ep == NULL:
         ch.ops.close(ch)
@@ -1294,6 +1373,14 @@ cdef ep_t* ep_create(worker_t* w, fab_channel* ch) noexcept nogil:
     ep.node.kind = KIND_EP
     ep.w = w
     ep.ch = ch
+    ep.caps = ch.caps
+    memcpy(ep.local_name, ch.local_name, 64)
+    memcpy(ep.peer_name, ch.peer_name, 64)
+    ep.local_name[63] = 0
+    ep.peer_name[63] = 0
+    ep.dirty.obj = ep
+    ep.runnable.obj = ep
+    ch.owner = ep
     ep.state = EP_HANDSHAKE
     ep.next_in_id = 1
     ep.armed = EPOLLIN
@@ -1302,9 +1389,11 @@ cdef ep_t* ep_create(worker_t* w, fab_channel* ch) noexcept nogil:
     # that sends before it receives must not wait for itself
     ep.pull_ahead = 1
     if node_register(w, &ep.node, ch.fd, EPOLLIN) == 0:
+        ch.owner = NULL
         ch.ops.close(ch)
         free(ep)
         return NULL
+    q_add(&w.dirty, &ep.dirty)
     send_hello(ep)
     return ep
 
@@ -1314,6 +1403,7 @@ cdef void worker_kick(worker_t* w) noexcept nogil:
     if w.polling:
         write(w.wake_fd, &one, 8)
     pthread_cond_broadcast(&w.cond)
+    notify_loop(w)
 
 cdef void ep_close(ep_t* ep) noexcept nogil:
     """Close locally (lock held): fail what is pending, release the channel
@@ -1325,7 +1415,10 @@ cdef void ep_close(ep_t* ep) noexcept nogil:
     if ep.state != EP_DEAD:
         ep_fail(ep, ESHUTDOWN_, "endpoint closed")
         ep_settle(ep)
+    touch(ep.w, &ep.node)
     node_unregister(ep.w, &ep.node)
+    q_remove(&ep.w.dirty, &ep.dirty)
+    q_remove(&ep.w.runnable, &ep.runnable)
     if not ep.posted.active:
         while ep.inq_head != NULL:
             inq_pop(ep)
@@ -1334,10 +1427,12 @@ cdef void ep_close(ep_t* ep) noexcept nogil:
 cdef void ep_free(ep_t* ep) noexcept nogil:
     """Close and free (lock held); nobody may reference ep afterwards."""
     ep_close(ep)
+    q_remove(&ep.w.touched, &ep.node.touched)
     while ep.inq_head != NULL:
         inq_pop(ep)
     if ep.posted.result != NULL:
         free(ep.posted.result)
+    free(ep.stash_data)
     free(ep.hello_mr)
     free(ep)
 
@@ -1393,9 +1488,28 @@ cdef void listener_sweep(lst_t* l) noexcept nogil:
             else:
                 l.ready_tail.lst_next = ep
             l.ready_tail = ep
+            touch(l.w, &l.node)
         else:
             ep.listener = NULL
             ep_free(ep)
+
+cdef double next_handshake_deadline(worker_t* w) noexcept nogil:
+    """The earliest handshake deadline of any listener (-1: none), so a
+    blocked waiter wakes to expire a handshake nobody finishes."""
+    cdef uint32_t i
+    cdef lst_t* l
+    cdef ep_t* ep
+    cdef double best = -1.0
+    for i in range(w.nslots):
+        if w.slots[i] == NULL or w.slots[i].kind != KIND_LST:
+            continue
+        l = <lst_t*>w.slots[i]
+        ep = l.pending
+        while ep != NULL:
+            if best < 0 or ep.hs_deadline < best:
+                best = ep.hs_deadline
+            ep = ep.lst_next
+    return best
 
 cdef void progress_node(worker_t* w, node_t* node) noexcept nogil:
     cdef ep_t* ep
@@ -1408,34 +1522,68 @@ cdef void progress_node(worker_t* w, node_t* node) noexcept nogil:
         progress_listener(<lst_t*>node)
 
 cdef void progress_all(worker_t* w) noexcept nogil:
+    """Every endpoint and listener once (fabric.progress(): the caller asks
+    for everything; waits progress only what has events)."""
     cdef uint32_t i
+    hub_run(w)
     for i in range(w.nslots):
         if w.slots[i] != NULL:
             progress_node(w, w.slots[i])
 
 cdef int arm_all(worker_t* w) noexcept nogil:
-    """Prepare for blocking; returns 1 if some endpoint can progress now."""
-    cdef uint32_t i
+    """Prepare for blocking: re-arm the endpoints touched since the last time
+    (only those: an untouched channel's interest set is still right) and the
+    hub. Returns 1 if progress is possible now (see progress_runnable)."""
     cdef uint32_t events
     cdef ep_t* ep
     cdef epoll_event ev
     cdef int ready = 0
-    for i in range(w.nslots):
-        if w.slots[i] == NULL or w.slots[i].kind != KIND_EP:
-            continue
-        ep = <ep_t*>w.slots[i]
+    while True:
+        ep = <ep_t*>q_pop(&w.dirty)
+        if ep == NULL:
+            break
         if ep.state != EP_OPEN and ep.state != EP_HANDSHAKE:
             continue
         events = EPOLLIN
         if ep.ch.ops.arm(ep.ch, &events):
-            ready = 1
+            q_add(&w.runnable, &ep.runnable)
             continue
-        if events != ep.armed:
+        if events != ep.armed and ep.ch.fd >= 0:
             ev.events = events
             ev.data.u64 = ep.node.key
             epoll_ctl(w.epfd, EPOLL_CTL_MOD, ep.ch.fd, &ev)
             ep.armed = events
-    return ready
+    if w.hub != NULL and (w.hub.ready != NULL or w.hub.arm(w.hub)):
+        w.hub_pending = 1
+    return w.runnable != NULL or w.hub_pending
+
+cdef void progress_runnable(worker_t* w) noexcept nogil:
+    """Progress what arm_all found able to progress without waiting."""
+    cdef ep_t* ep
+    if w.hub_pending:
+        w.hub_pending = 0
+        hub_run(w)
+    while True:
+        ep = <ep_t*>q_pop(&w.runnable)
+        if ep == NULL:
+            break
+        progress_node(w, &ep.node)
+
+cdef void handle_events(worker_t* w, epoll_event* evs, int n) noexcept nogil:
+    cdef int i
+    cdef node_t* node
+    for i in range(n):
+        if evs[i].data.u64 == WAKE_KEY:
+            drain_wake(w)
+        elif evs[i].data.u64 == HUB_KEY:
+            w.hub_pending = 1
+        else:
+            node = node_lookup(w, evs[i].data.u64)
+            if node != NULL:
+                if node.kind == KIND_EP and (<ep_t*>node).ch != NULL:
+                    (<ep_t*>node).ch.revents = evs[i].events
+                progress_node(w, node)
+    progress_runnable(w)
 
 cdef inline void notify_loop(worker_t* w) noexcept nogil:
     """Progress made outside the event loop may have finished what its
@@ -1443,7 +1591,7 @@ cdef inline void notify_loop(worker_t* w) noexcept nogil:
     cdef uint64_t one = 1
     # Also while the loop is not watching: a coroutine between its last check
     # and its next wait must still learn that something happened meanwhile.
-    if w.loop_polling or w.loop_attached:
+    if (w.loop_polling or w.loop_attached) and w.touched != NULL and w.notify_fd >= 0:
         write(w.notify_fd, &one, 8)
 
 cdef void drain_wake(worker_t* w) noexcept nogil:
@@ -1456,14 +1604,13 @@ cdef void* progress_thread_main(void* arg) noexcept nogil:
     fabric again. The thread stays asleep while an application thread is in
     the engine or was there within BG_GRACE (so it does not compete with an
     active application for the CPU); after that it blocks in epoll and
-    progresses everything. An application thread that starts to block kicks
-    it out of epoll (wake_fd) and takes over."""
+    progresses what has events. An application thread that starts to block
+    kicks it out of epoll (wake_fd) and takes over."""
     cdef worker_t* w = <worker_t*>arg
     cdef timespec ts
     cdef epoll_event evs[64]
-    cdef node_t* node
-    cdef int n, i, ms
-    cdef double now, resume
+    cdef int n, ms
+    cdef double now, resume, hs
     wlock(w)
     while not w.bg_stop:
         if w.polling:
@@ -1491,26 +1638,37 @@ cdef void* progress_thread_main(void* arg) noexcept nogil:
             continue
         w.bg_state = BG_POLLING
         w.polling = 1
-        ms = 0 if arm_all(w) else 1000
+        ms = 1000
+        hs = next_handshake_deadline(w)
+        if hs >= 0:
+            ms = <int>((hs - now) * 1000.0) + 1
+            if ms < 0:
+                ms = 0
+            elif ms > 1000:
+                ms = 1000
+        if arm_all(w):
+            ms = 0
         wunlock(w)
         n = epoll_wait(w.epfd, evs, 64, ms)
         wlock(w)
         w.polling = 0
         w.bg_state = BG_WATCHING
-        if ms == 0:
-            progress_all(w)
-        for i in range(n):
-            if evs[i].data.u64 == WAKE_KEY:
-                drain_wake(w)
-                continue
-            node = node_lookup(w, evs[i].data.u64)
-            if node != NULL:
-                progress_node(w, node)
+        if n < 0:
+            n = 0
+        handle_events(w, evs, n)
+        if hs >= 0:
+            sweep_listeners(w)
         pthread_cond_broadcast(&w.cond)
         notify_loop(w)
     w.bg_state = 0
     wunlock(w)
     return NULL
+
+cdef void sweep_listeners(worker_t* w) noexcept nogil:
+    cdef uint32_t i
+    for i in range(w.nslots):
+        if w.slots[i] != NULL and w.slots[i].kind == KIND_LST:
+            listener_sweep(<lst_t*>w.slots[i])
 
 ctypedef int (*pred_fn)(void* arg) noexcept nogil
 
@@ -1540,8 +1698,8 @@ cdef int worker_wait(worker_t* w, pred_fn pred, void* arg, ep_t* hint, double de
     """Wait (lock held) until pred(arg). Busy-polls `hint` (spin_for()
     seconds), then blocks in epoll (one thread at a time; the others sleep on
     the condition variable and are woken after each round of progress).
-    Returns 0, ETIMEDOUT, or EINTR after WAIT_SLICE_MS so the caller can
-    check for signals."""
+    Returns 0, ETIMEDOUT, ESHUTDOWN_ (the Fabric was closed), or EINTR after
+    WAIT_SLICE_MS so the caller can check for signals."""
     cdef double now = monotonic_now()
     cdef double started = now
     cdef double spin = spin_for(w, hint)
@@ -1549,10 +1707,9 @@ cdef int worker_wait(worker_t* w, pred_fn pred, void* arg, ep_t* hint, double de
     # receive waits teach the endpoint how long its peer takes to answer
     cdef ep_t* learner = hint if pred == pred_posted else NULL
     cdef double slice_end = now + WAIT_SLICE_MS * 1e-3
-    cdef double until
+    cdef double until, hs
     cdef epoll_event evs[64]
-    cdef int n, i, ms
-    cdef node_t* node
+    cdef int n, ms
     cdef timespec ts
     cdef uint64_t one = 1
     cdef uint64_t activity
@@ -1560,6 +1717,8 @@ cdef int worker_wait(worker_t* w, pred_fn pred, void* arg, ep_t* hint, double de
         if pred(arg):
             note_wait(learner, monotonic_now() - started)
             return 0
+        if w.closed:
+            return ESHUTDOWN_
         now = monotonic_now()
         w.last_app = now
         if deadline >= 0 and now >= deadline:
@@ -1568,14 +1727,16 @@ cdef int worker_wait(worker_t* w, pred_fn pred, void* arg, ep_t* hint, double de
         if now >= slice_end:
             return EINTR
         if hint != NULL and now < spin_end and (hint.state == EP_OPEN or hint.state == EP_HANDSHAKE):
-            activity = hint.ch.activity
+            activity = hint.ch.activity + (hint.ch.hub.activity if hint.ch.hub != NULL else 0)
             progress_ep(hint)
-            if hint.ch != NULL and hint.ch.activity != activity:
+            if hint.ch != NULL and (hint.ch.activity + (hint.ch.hub.activity if hint.ch.hub != NULL else 0)
+                                    != activity):
                 spin_end = now + spin            # data is moving: keep polling
             if hint.listener != NULL:
                 listener_sweep(hint.listener)
             if pred(arg):
                 pthread_cond_broadcast(&w.cond)
+                notify_loop(w)
                 note_wait(learner, monotonic_now() - started)
                 return 0
             if w.waiters:
@@ -1592,6 +1753,9 @@ cdef int worker_wait(worker_t* w, pred_fn pred, void* arg, ep_t* hint, double de
         until = slice_end if deadline < 0 or slice_end < deadline else deadline
         if not w.polling:
             w.polling = 1
+            hs = next_handshake_deadline(w)
+            if hs >= 0 and hs < until:
+                until = hs if hs > now else now
             ms = <int>((until - now) * 1000.0) + 1
             if arm_all(w):
                 ms = 0
@@ -1602,16 +1766,11 @@ cdef int worker_wait(worker_t* w, pred_fn pred, void* arg, ep_t* hint, double de
             w.last_app = monotonic_now()
             if w.bg_state == BG_BEHIND_POLLER:
                 pthread_cond_signal(&w.bg_cond)
-            if ms == 0:
-                progress_all(w)
-            else:
-                for i in range(n):
-                    if evs[i].data.u64 == WAKE_KEY:
-                        drain_wake(w)
-                        continue
-                    node = node_lookup(w, evs[i].data.u64)
-                    if node != NULL:
-                        progress_node(w, node)
+            if n < 0:
+                n = 0
+            handle_events(w, evs, n)
+            if hs >= 0:
+                sweep_listeners(w)
             pthread_cond_broadcast(&w.cond)
             notify_loop(w)
         else:
@@ -1623,8 +1782,9 @@ cdef int worker_wait(worker_t* w, pred_fn pred, void* arg, ep_t* hint, double de
             # rendezvous traffic 16x slower). epoll_ctl on a waited-on epoll
             # takes effect at once.
             if arm_all(w):
-                progress_all(w)
+                progress_runnable(w)
                 pthread_cond_broadcast(&w.cond)
+                notify_loop(w)
                 continue
             if w.bg_state == BG_POLLING:
                 write(w.wake_fd, &one, 8)     # the application takes over polling
@@ -1638,6 +1798,45 @@ cdef int worker_wait(worker_t* w, pred_fn pred, void* arg, ep_t* hint, double de
             w.waiters += 1
             pthread_cond_timedwait(&w.cond, &w.lock, &ts)
             w.waiters -= 1
+
+
+cdef extern from "Python.h":
+    # called with the GIL (inside `with gil`), never with the engine lock;
+    # leaves the exception set for raise_pending()
+    int check_signals_raw "PyErr_CheckSignals"() noexcept
+
+cdef enum:
+    SIGNALLED = -1     # wait_sig: a signal handler raised; the exception is pending
+
+cdef int wait_sig(worker_t* w, pred_fn pred, void* arg, ep_t* hint, double deadline) noexcept nogil:
+    """worker_wait that also runs signal handlers (lock held, GIL not).
+    The GIL is taken only after the engine lock is released: a thread that
+    waits for the GIL while it holds the lock blocks every other thread of
+    this Fabric, forever once the interpreter is exiting (threads that ask
+    for the GIL then never get it). Returns 0, ETIMEDOUT, ESHUTDOWN_, or
+    SIGNALLED (the handler's exception is pending: call raise_pending once
+    the lock is released)."""
+    cdef int rc, sig
+    w.in_wait += 1
+    while True:
+        rc = worker_wait(w, pred, arg, hint, deadline)
+        if rc != EINTR:
+            break
+        wunlock(w)
+        with gil:
+            sig = check_signals_raw()
+        alock(w)
+        if sig < 0:
+            rc = SIGNALLED
+            break
+    w.in_wait -= 1
+    if w.closed and w.in_wait == 0:
+        pthread_cond_broadcast(&w.cond)      # Worker.close waits for waiters to leave
+    return rc
+
+cdef int raise_pending() except -1:
+    """Raise the exception a signal handler left pending (see wait_sig)."""
+    return -1
 
 cdef int pred_op_final(void* arg) noexcept nogil:
     cdef sendop_t* op = <sendop_t*>arg
@@ -1658,8 +1857,7 @@ cdef int pred_accept(void* arg) noexcept nogil:
     listener_sweep(l)
     return l.ready_head != NULL or l.closed
 
-cdef int pred_drained(void* arg) noexcept nogil:
-    cdef ep_t* ep = <ep_t*>arg
+cdef int ep_drained(ep_t* ep) noexcept nogil:
     if ep.state != EP_OPEN:
         return 1
     return (ep.close_sent and ep.pending_sends == 0 and ep.ready_head == NULL
@@ -1667,16 +1865,47 @@ cdef int pred_drained(void* arg) noexcept nogil:
             and ep.zc_out == NULL and ep.ctrl_ready_head == NULL
             and (ep.ctrl == NULL or ep.ctrl.used == 0))
 
+cdef int pred_drained(void* arg) noexcept nogil:
+    return ep_drained(<ep_t*>arg)
+
+cdef int pred_all_drained(void* arg) noexcept nogil:
+    cdef worker_t* w = <worker_t*>arg
+    cdef uint32_t i
+    for i in range(w.nslots):
+        if w.slots[i] != NULL and w.slots[i].kind == KIND_EP and not ep_drained(<ep_t*>w.slots[i]):
+            return 0
+    return 1
+
+cdef int pred_no_waiters(void* arg) noexcept nogil:
+    return (<worker_t*>arg).in_wait == 0
+
+
+# A forked child inherits every Fabric, but none of its threads: their locks
+# may be held forever and the progress thread is gone. Each use checks the
+# generation recorded at creation against this counter (cheaper than getpid).
+cdef int fork_generation = 0
+
+cdef void after_fork_in_child() noexcept nogil:
+    global fork_generation
+    fork_generation += 1
+
+cdef extern from "<pthread.h>" nogil:
+    int pthread_atfork(void (*prepare)() noexcept nogil, void (*parent)() noexcept nogil,
+                       void (*child)() noexcept nogil)
+
+pthread_atfork(NULL, NULL, after_fork_in_child)
+
+cdef inline bint forked(worker_t* w) noexcept nogil:
+    return w.fork_gen != fork_generation
+
 
 # ============================================================== Python layer
-
-cdef inline void glock(worker_t* w) noexcept:
-    """Take the engine lock from GIL-holding code. The GIL is released while
-    waiting: a thread holding the engine lock may need the GIL (when it
-    leaves a nogil section), so nobody may wait for the lock with the GIL."""
-    with nogil:
-        alock(w)
-
+#
+# The rule: GIL-holding code never holds the engine lock. Every section
+# below that takes the lock does so inside `with nogil:` and releases it
+# before the GIL is taken again (wait_sig does the same around signal
+# checks). Python objects are built only outside the lock: building them may
+# run the garbage collector, whose finalizers take the engine lock.
 
 cdef object make_error(int err, str what, str detail=None):
     text = what + (": " + detail if detail else "")
@@ -1691,17 +1920,24 @@ cdef object make_error(int err, str what, str detail=None):
     if err == EMSGSIZE:
         return _errors.MessageTooLarge(text)
     if err == ENOMEM:
-        return MemoryError(text)
+        return _errors.ResourceLimit(text)
     return _errors.ConnectionLost(text)
 
 
-cdef inline double deadline_of(timeout):
+cdef inline double deadline_of(timeout) except? -2.0:
     if timeout is None:
         return -1.0
     t = float(timeout)
-    if t < 0:
+    if t < 0 or t != t:
         raise ValueError("timeout must be >= 0 or None")
     return monotonic_now() + t
+
+
+cdef object forked_error():
+    return _errors.FabricError(
+        "this Fabric was created in another process: a forked child inherits its objects but not its "
+        "threads, so it cannot use them; create a new Fabric in the child (or use the 'spawn' or "
+        "'forkserver' start method of multiprocessing)")
 
 
 cdef class Worker:
@@ -1710,23 +1946,26 @@ cdef class Worker:
     cdef readonly Backend backend
     cdef readonly dict options
     cdef readonly object domain     # the backend's per-Fabric state
-    cdef int pid
+    cdef int fds_closed
+    cdef public int loop_users      # event loops that watch fileno() (fabric.aio)
+    cdef public object aio_drivers  # fabric.aio: its drivers, per loop
     cdef object __weakref__
 
     def __cinit__(self, Backend backend not None, dict options not None):
         cdef pthread_condattr_t ca
+        cdef epoll_event ev
         self.backend = backend
         self.options = dict(options)
         self.w = <worker_t*>calloc(1, sizeof(worker_t))
         if self.w == NULL:
             raise MemoryError()
+        self.w.fork_gen = fork_generation
+        self.w.epfd = self.w.wake_fd = self.w.notify_fd = -1
         pthread_mutex_init(&self.w.lock, NULL)
         pthread_condattr_init(&ca)
         pthread_condattr_setclock(&ca, CLOCK_MONOTONIC)
         pthread_cond_init(&self.w.cond, &ca)
-        self.w.epfd = epoll_create1(EPOLL_CLOEXEC)
-        if self.w.epfd < 0:
-            raise OSError(errno, "epoll_create1 failed")
+        pthread_cond_init(&self.w.bg_cond, &ca)
         cdef opts_t* o = &self.w.opts
         o.eager_limit = int(options["eager_limit"])
         o.chunk_size = int(options["chunk_size"])
@@ -1749,52 +1988,187 @@ cdef class Worker:
         o.fault = {"": 0, "bad_key": FAULT_BAD_KEY, "bad_range": FAULT_BAD_RANGE}.get(fault, -1)
         if o.fault < 0:
             raise ValueError(f"FABRIC_FAULT_INJECT={fault!r}: use bad_key or bad_range")
-        self.domain = backend.open_domain(self.options)
-        self.pid = getpid()
+        self.w.epfd = epoll_create1(EPOLL_CLOEXEC)
         self.w.wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
         self.w.notify_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
-        if self.w.wake_fd < 0 or self.w.notify_fd < 0:
-            raise OSError(errno, "eventfd failed")
-        cdef epoll_event ev
+        if self.w.epfd < 0 or self.w.wake_fd < 0 or self.w.notify_fd < 0:
+            raise OSError(errno, f"cannot create the Fabric's descriptors: {strerror(errno).decode()}")
         ev.events = EPOLLIN
         ev.data.u64 = WAKE_KEY
         epoll_ctl(self.w.epfd, EPOLL_CTL_ADD, self.w.wake_fd, &ev)
-        pthread_cond_init(&self.w.bg_cond, &ca)
+        self.domain = backend.open_domain(self.options)
+        self.w.hub = backend.hub(self.domain)
+        if self.w.hub != NULL:
+            ev.events = EPOLLIN
+            ev.data.u64 = HUB_KEY
+            if epoll_ctl(self.w.epfd, EPOLL_CTL_ADD, self.w.hub.fd, &ev) != 0:
+                raise OSError(errno, f"cannot watch the {backend.name} progress descriptor: "
+                                     f"{strerror(errno).decode()}")
         if o.progress_thread:
             if pthread_create(&self.w.bg_thread, NULL, progress_thread_main, self.w) != 0:
                 raise OSError(errno, "cannot start the progress thread")
             self.w.bg_running = 1
 
     def __dealloc__(self):
-        cdef uint64_t one = 1
-        if self.w != NULL:
-            # Endpoints and listeners hold a reference to their Worker, so
-            # none is left here.
-            if self.w.bg_running and self.pid == getpid():
-                with nogil:
-                    wlock(self.w)
-                    self.w.bg_stop = 1
-                    pthread_cond_signal(&self.w.bg_cond)
-                    write(self.w.wake_fd, &one, 8)
-                    wunlock(self.w)
-                    pthread_join(self.w.bg_thread, NULL)
-            close(self.w.wake_fd)
-            close(self.w.notify_fd)
-            pthread_cond_destroy(&self.w.bg_cond)
-            close(self.w.epfd)
-            pthread_mutex_destroy(&self.w.lock)
-            pthread_cond_destroy(&self.w.cond)
-            free(self.w.slots)
-            free(self.w.gens)
-            free(self.w)
+        if self.w == NULL:
+            return
+        if forked(self.w):
+            # Inherited from the parent: its threads and locks do not exist
+            # here. Leave everything (the parent still owns the resources).
             self.w = NULL
+            return
+        # Endpoints and listeners hold a reference to their Worker, so none
+        # is left here.
+        self._shutdown(0.0, warn=not self.w.closed)
+        self.loop_users = 0       # no loop can still reference us (its reader would hold us)
+        self._release_fds()
+        pthread_cond_destroy(&self.w.bg_cond)
+        pthread_mutex_destroy(&self.w.lock)
+        pthread_cond_destroy(&self.w.cond)
+        free(self.w.slots)
+        free(self.w.gens)
+        free(self.w)
+        self.w = NULL
+
+    cdef int _check(self) except -1:
+        if self.w == NULL:
+            raise _errors.FabricError("this Worker was never set up")
+        if forked(self.w):
+            raise forked_error()
+        if self.w.closed:
+            raise _errors.ConnectionClosed("the Fabric is closed")
+        return 0
+
+    @property
+    def closed(self):
+        return self.w == NULL or self.w.closed != 0
+
+    cdef void _stop_thread(self):
+        cdef uint64_t one = 1
+        if self.w.bg_running:
+            with nogil:
+                wlock(self.w)
+                self.w.bg_stop = 1
+                pthread_cond_signal(&self.w.bg_cond)
+                write(self.w.wake_fd, &one, 8)
+                wunlock(self.w)
+                pthread_join(self.w.bg_thread, NULL)
+            self.w.bg_running = 0
+
+    cdef void _release_fds(self):
+        """Close the worker's descriptors once no event loop watches them (a
+        loop that still has one registered would unregister whatever later
+        reuses its number)."""
+        if self.fds_closed or self.loop_users > 0:
+            return
+        self.fds_closed = 1
+        if self.w.epfd >= 0:
+            close(self.w.epfd)
+        if self.w.wake_fd >= 0:
+            close(self.w.wake_fd)
+        if self.w.notify_fd >= 0:
+            close(self.w.notify_fd)
+        self.w.epfd = self.w.wake_fd = self.w.notify_fd = -1
+
+    def _loop_detached(self):
+        """fabric.aio: an event loop no longer watches fileno()."""
+        self.loop_users -= 1
+        if self.w != NULL and self.w.closed:
+            self._release_fds()
+
+    cdef void _shutdown(self, double linger, bint warn):
+        """Close every listener and endpoint (after up to `linger` seconds of
+        flushing), stop the progress thread, release the backend's domain."""
+        cdef uint32_t i
+        cdef node_t* node
+        cdef ep_t* ep
+        cdef double deadline
+        cdef uint64_t one = 1
+        cdef worker_t* w = self.w
+        if w.closed:
+            return
+        if warn:
+            _warn_unclosed("fabric.Fabric")
+        deadline = monotonic_now() + linger
+        with nogil:
+            alock(w)
+            if linger > 0:
+                for i in range(w.nslots):
+                    node = w.slots[i]
+                    if node != NULL and node.kind == KIND_EP and (<ep_t*>node).state == EP_OPEN:
+                        (<ep_t*>node).close_requested = 1
+                        ep_flush(<ep_t*>node)
+                worker_wait_quiet(w, pred_all_drained, w, deadline)
+            w.closed = 1
+            for i in range(w.nslots):
+                node = w.slots[i]
+                if node == NULL:
+                    continue
+                if node.kind == KIND_LST:
+                    listener_close(<lst_t*>node)
+                else:
+                    ep_close(<ep_t*>node)
+            worker_kick(w)
+            if w.loop_attached and w.notify_fd >= 0:
+                write(w.notify_fd, &one, 8)      # event loops detach from us
+            # threads still inside a wait see `closed` and leave; the
+            # descriptors they may be polling must outlive them
+            deadline = monotonic_now() + 2.0
+            while w.in_wait > 0 and monotonic_now() < deadline:
+                worker_kick(w)
+                cond_wait_for(w, 0.05)
+            wunlock(w)
+        self._stop_thread()
+        self.w.hub = NULL
+        try:
+            self.backend.close_domain(self.domain)
+        except Exception:
+            pass
+        self.domain = None
+
+    def close(self, linger=None):
+        """Close everything of this Fabric (see Fabric.close)."""
+        if self.w == NULL or self.w.closed:
+            return
+        if forked(self.w):
+            raise forked_error()
+        self._shutdown(self.w.opts.close_linger if linger is None else max(0.0, float(linger)), False)
+        self._release_fds()
+        self.reap()
+
+    def _close_begin(self):
+        """aclose(): ask every endpoint to flush and say goodbye; True if all are drained."""
+        cdef uint32_t i
+        cdef node_t* node
+        cdef int done
+        self._check()
+        with nogil:
+            alock(self.w)
+            for i in range(self.w.nslots):
+                node = self.w.slots[i]
+                if node != NULL and node.kind == KIND_EP and (<ep_t*>node).state == EP_OPEN:
+                    (<ep_t*>node).close_requested = 1
+                    ep_flush(<ep_t*>node)
+            done = pred_all_drained(self.w)
+            wunlock(self.w)
+        return bool(done)
+
+    def _all_drained(self):
+        cdef int done
+        if self.w == NULL or self.w.closed:
+            return True
+        with nogil:
+            alock(self.w)
+            done = pred_all_drained(self.w)
+            wunlock(self.w)
+        return bool(done)
 
     cdef void reap(self):
         """Release Python buffers of operations that finished without a holder."""
         cdef sendop_t* op
         cdef sendop_t* n
         cdef int i
-        if self.w.reap == NULL:
+        if self.w == NULL or self.w.reap == NULL or forked(self.w):
             return
         with nogil:
             alock(self.w)
@@ -1810,15 +2184,19 @@ cdef class Worker:
 
     def fileno(self):
         """The epoll descriptor: readable when progress() may have work."""
+        self._check()
         return self.w.epfd
 
     def notify_fileno(self):
         """Readable when another thread made progress while a loop watches."""
+        self._check()
         return self.w.notify_fd
 
     def loop_watch(self, bint on):
         """An event loop starts (True) or stops (False) polling fileno();
         while it does, the progress thread leaves the polling to it."""
+        if self.w == NULL or self.w.closed or forked(self.w):
+            return
         with nogil:
             alock(self.w)
             self.w.loop_polling = on
@@ -1830,11 +2208,14 @@ cdef class Worker:
     def drain_notify(self):
         """Consume pending notifications (the loop is about to progress)."""
         cdef uint64_t junk
+        if self.w == NULL or self.w.notify_fd < 0 or forked(self.w):
+            return
         with nogil:
             read(self.w.notify_fd, &junk, 8)
 
     def progress(self):
         """Non-blocking progress of every endpoint and listener."""
+        self._check()
         with nogil:
             alock(self.w)
             progress_all(self.w)
@@ -1842,59 +2223,128 @@ cdef class Worker:
             wunlock(self.w)
         self.reap()
 
+    def poll_events(self):
+        """Non-blocking progress of what has events (for an event loop:
+        O(events), not O(endpoints)). Returns the keys of the endpoints and
+        listeners that moved since the last call, for fabric.aio."""
+        cdef epoll_event evs[64]
+        cdef int n
+        cdef uint64_t keys[256]
+        cdef int nkeys = 0, more = 1, i
+        cdef node_t* node
+        cdef int rounds, ready
+        if self.w == NULL or forked(self.w):
+            return []
+        out = []
+        with nogil:
+            alock(self.w)
+            self.w.loop_attached = 1
+            if not self.w.closed:
+                # until quiet: a hub (UCX's event fd) stays readable until re-armed
+                for rounds in range(4):
+                    ready = arm_all(self.w)
+                    n = epoll_wait(self.w.epfd, evs, 64, 0)
+                    if n <= 0 and not ready:
+                        break
+                    handle_events(self.w, evs, n if n > 0 else 0)
+                pthread_cond_broadcast(&self.w.cond)
+            wunlock(self.w)
+        while more:
+            nkeys = 0
+            with nogil:
+                alock(self.w)
+                while nkeys < 256:
+                    node = <node_t*>q_pop(&self.w.touched)
+                    if node == NULL:
+                        break
+                    keys[nkeys] = node.key
+                    nkeys += 1
+                more = self.w.touched != NULL
+                wunlock(self.w)
+            for i in range(nkeys):
+                out.append(keys[i])
+        self.reap()
+        return out
+
     def arm(self):
         """Prepare fileno() for waiting; False if progress is possible now."""
         cdef int ready
+        if self.w == NULL or self.w.closed or forked(self.w):
+            return False
         with nogil:
             alock(self.w)
             ready = arm_all(self.w)
             wunlock(self.w)
         return not ready
 
-    cdef int wait(self, pred_fn pred, void* arg, ep_t* hint, double deadline) except -1:
-        """Block without the GIL until pred; 0, or ETIMEDOUT. Signals raise."""
-        cdef int rc
-        while True:
-            with nogil:
-                rc = worker_wait(self.w, pred, arg, hint, deadline)
-            if rc != EINTR:
-                return rc
-            wunlock(self.w)
-            try:
-                PyErr_CheckSignals()
-            finally:
-                glock(self.w)
-
     def listen(self, str host, int port):
+        self._check()
         # binding may resolve a name: no engine lock (backends keep listen() to
         # state that is safe to touch concurrently, see interface.pxd)
         cdef fab_listener* fl = self.backend.listen(self.domain, host, port, self.options)
         cdef lst_t* l = <lst_t*>calloc(1, sizeof(lst_t))
+        cdef int ok = 0, closed = 0
         if l == NULL:
             fl.close(fl)
             raise MemoryError()
         l.node.kind = KIND_LST
         l.w = self.w
         l.fl = fl
-        glock(self.w)
-        if node_register(self.w, &l.node, fl.fd, EPOLLIN) == 0:
+        with nogil:
+            alock(self.w)
+            if self.w.closed:
+                closed = 1
+            else:
+                ok = node_register(self.w, &l.node, fl.fd, EPOLLIN) != 0
             wunlock(self.w)
+        if not ok:
             fl.close(fl)
             free(l)
-            raise OSError("cannot watch the listening socket")
-        wunlock(self.w)
+            if closed:
+                raise _errors.ConnectionClosed("the Fabric is closed")
+            raise OSError(errno, f"cannot watch the listening socket: {strerror(errno).decode()}")
         lst = Listener.__new__(Listener)
         (<Listener>lst).l = l
         (<Listener>lst).worker = self
+        (<Listener>lst).key = l.node.key
         return lst
+
+    cdef ep_t* _attach_fd(self, int fd, int* why) except? NULL:
+        """An endpoint in HANDSHAKE state on a connected socket (HELLO sent);
+        NULL with *why = ESHUTDOWN_ (closed) or ENOMEM. Owns fd."""
+        cdef fab_attach a
+        cdef fab_channel* ch
+        cdef ep_t* ep = NULL
+        cdef size_t max_recv = our_max_recv(self.w)
+        memset(&a, 0, sizeof(a))
+        try:
+            self.backend.prepare_attach(self.domain, self.options, &a)
+        except BaseException:
+            close(fd)
+            raise
+        with nogil:
+            alock(self.w)
+            if self.w.closed:
+                close(fd)
+                why[0] = ESHUTDOWN_
+            else:
+                # the channel is built under the engine lock: another thread
+                # may be accepting on this Fabric and touching the same domain
+                ch = a.attach(a.domain, fd, max_recv, a.recv_depth)
+                if ch != NULL:
+                    ep = ep_create(self.w, ch)
+                why[0] = ENOMEM
+            wunlock(self.w)
+        return ep
 
     def connect(self, str host, int port, timeout=None):
         cdef double deadline = deadline_of(timeout)
         cdef double hs_deadline
-        cdef fab_channel* ch
         cdef ep_t* ep
-        cdef int rc
+        cdef int rc = 0, why = 0, ok = 0
         cdef int fd
+        cdef char error[200]
+        self._check()
         remaining = -1.0 if deadline < 0 else max(0.0, deadline - monotonic_now())
         try:
             fd = self.backend.dial(self.domain, host, port, remaining, self.options)
@@ -1902,51 +2352,107 @@ cdef class Worker:
             raise _errors.Timeout(str(e)) from None
         except OSError as e:
             raise _errors.ConnectionLost(f"cannot connect to {host}:{port}: {e.strerror or e}") from None
+        ep = self._attach_fd(fd, &why)
+        if ep == NULL:
+            if why == ESHUTDOWN_:
+                raise _errors.ConnectionClosed("the Fabric is closed")
+            raise _errors.ResourceLimit(f"connect to {host}:{port}: cannot set up a {self.backend.name} "
+                                        f"channel (out of memory or descriptors)")
         hs_deadline = monotonic_now() + self.w.opts.handshake_timeout
         if deadline >= 0 and deadline < hs_deadline:
             hs_deadline = deadline
-        cdef char why[200]
-        cdef int ok = 0
-        # the channel is built under the engine lock: another thread may be
-        # accepting on this Fabric and touching the same domain state
-        glock(self.w)
-        try:
-            ch = self.backend.attach(self.domain, fd, our_max_recv(self.w), self.options)
-        except BaseException:
-            wunlock(self.w)
-            raise
-        ep = ep_create(self.w, ch)
-        if ep == NULL:
-            wunlock(self.w)
-            raise MemoryError()
-        try:
-            rc = self.wait(pred_handshake, ep, ep, hs_deadline)
-        finally:
+        with nogil:
+            alock(self.w)
+            rc = wait_sig(self.w, pred_handshake, ep, ep, hs_deadline)
             ok = ep.state == EP_OPEN
             if not ok:
-                memcpy(why, ep.error, 200)
+                memcpy(error, ep.error, 200)
                 ep_free(ep)
             wunlock(self.w)
+        if rc == SIGNALLED:
+            if ok:
+                make_endpoint(self, ep).close(linger=0)
+            raise_pending()
         if not ok:
             if rc == ETIMEDOUT:
                 raise _errors.Timeout(f"connect to {host}:{port}: no handshake from the peer")
+            if rc == ESHUTDOWN_:
+                raise _errors.ConnectionClosed("the Fabric was closed during connect")
             raise _errors.ConnectionLost(f"connect to {host}:{port} failed: "
-                                         f"{why.decode(errors='replace')}")
+                                         f"{error.decode(errors='replace')}")
+        return make_endpoint(self, ep)
+
+    def _attach_connected(self, int fd):
+        """fabric.aio: an Endpoint, still in its handshake, on a socket the
+        event loop connected (owns fd)."""
+        cdef int why = 0
+        cdef ep_t* ep
+        self._check()
+        self.backend._tune(fd, self.options)
+        ep = self._attach_fd(fd, &why)
+        if ep == NULL:
+            if why == ESHUTDOWN_:
+                raise _errors.ConnectionClosed("the Fabric is closed")
+            raise _errors.ResourceLimit(f"cannot set up a {self.backend.name} channel "
+                                        f"(out of memory or descriptors)")
         return make_endpoint(self, ep)
 
 
-cdef struct recv_result:
-    int err
-    size_t length
-    char* data
+cdef int worker_wait_quiet(worker_t* w, pred_fn pred, void* arg, double deadline) noexcept nogil:
+    """worker_wait without signal checks, for bounded waits inside close."""
+    cdef int rc
+    w.in_wait += 1
+    while True:
+        rc = worker_wait(w, pred, arg, NULL, deadline)
+        if rc != EINTR:
+            break
+    w.in_wait -= 1
+    return rc
+
+cdef void cond_wait_for(worker_t* w, double seconds) noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    ts.tv_nsec += <long>(seconds * 1e9)
+    while ts.tv_nsec >= 1000000000:
+        ts.tv_sec += 1
+        ts.tv_nsec -= 1000000000
+    pthread_cond_timedwait(&w.cond, &w.lock, &ts)
+
+cdef void listener_close(lst_t* l) noexcept nogil:
+    """Stop accepting (lock held; idempotent). The struct stays valid, because
+    another thread may be inside accept(); Listener.__dealloc__ frees it."""
+    cdef ep_t* ep
+    if l.closed:
+        return
+    l.closed = 1
+    while l.pending != NULL:
+        ep = l.pending
+        l.pending = ep.lst_next
+        ep.listener = NULL
+        ep_free(ep)
+    while l.ready_head != NULL:
+        ep = l.ready_head
+        l.ready_head = ep.lst_next
+        ep.listener = NULL
+        ep_free(ep)
+    l.ready_tail = NULL
+    touch(l.w, &l.node)
+    if l.fl.fd >= 0:
+        epoll_ctl(l.w.epfd, EPOLL_CTL_DEL, l.fl.fd, NULL)
+    node_unregister(l.w, &l.node)
+    l.fl.close(l.fl)
+    l.fl = NULL
+    worker_kick(l.w)
 
 
-cdef Endpoint make_endpoint(Worker worker, ep_t* ep):
-    cdef Endpoint e = Endpoint.__new__(Endpoint)
-    e.ep = ep
-    e.worker = worker
-    e.w = worker.w
-    return e
+def _warn_unclosed(what):
+    """A ResourceWarning, as sockets give for what was never closed (silent
+    while the interpreter shuts down)."""
+    try:
+        if not _sys.is_finalizing():
+            _warnings.warn(f"unclosed {what}; close it (or use it as a context manager)", ResourceWarning, 2)
+    except Exception:
+        pass
 
 
 cdef class Message:
@@ -2086,13 +2592,17 @@ cdef int get_writable(object buf, Py_buffer* view) except -1:
 cdef void op_release(Worker worker, sendop_t* op):
     """Drop the caller's reference (GIL held, lock not held)."""
     cdef int i, free_it = 0, views = 0
-    glock(worker.w)
-    op.refs -= 1
-    if op.state == OP_DONE or op.state == OP_FAILED:
-        views = op.nviews
-        op.nviews = 0
-        free_it = op.refs == 0
-    wunlock(worker.w)
+    cdef worker_t* w = worker.w
+    if forked(w):
+        return          # the parent's memory: leave it
+    with nogil:
+        alock(w)
+        op.refs -= 1
+        if op.state == OP_DONE or op.state == OP_FAILED:
+            views = op.nviews
+            op.nviews = 0
+            free_it = op.refs == 0
+        wunlock(w)
     for i in range(views):
         PyBuffer_Release(&op.views[i])
     if free_it:
@@ -2107,19 +2617,25 @@ cdef class Request:
     cdef readonly size_t nbytes
     cdef object _error
 
+    def __init__(self):
+        raise TypeError("Requests come from Endpoint.isend()")
+
     def __dealloc__(self):
-        if self.op != NULL:
+        if self.op != NULL and self.ep is not None:
             op_release(self.ep.worker, self.op)
             self.op = NULL
 
     def done(self):
         cdef int final
+        cdef ep_t* ep
         if self.op == NULL:
             return True
-        cdef ep_t* ep = self.ep.ep
+        if forked(self.ep.w):
+            raise forked_error()
+        ep = self.ep.ep
         with nogil:
             alock(self.ep.w)
-            if ep != NULL and ep.state == EP_OPEN:
+            if ep.state == EP_OPEN:
                 progress_ep(ep)
             final = pred_op_final(self.op)
             wunlock(self.ep.w)
@@ -2140,20 +2656,26 @@ cdef class Request:
         cdef double deadline = deadline_of(timeout)
         cdef int rc = 0
         cdef ep_t* ep
+        cdef worker_t* w
         if self.op != NULL:
-            glock(self.ep.w)
+            w = self.ep.w
+            if forked(w):
+                raise forked_error()
             ep = self.ep.ep
-            if ep != NULL:
+            with nogil:
+                alock(w)
                 ep.send_waiters += 1
-            try:
-                rc = self.ep.worker.wait(pred_op_final, self.op, ep, deadline)
-            finally:
-                if ep != NULL and self.ep.ep != NULL:
-                    ep.send_waiters -= 1
-                wunlock(self.ep.w)
+                rc = wait_sig(w, pred_op_final, self.op, ep, deadline)
+                ep.send_waiters -= 1
+                ep_settle(ep)
+                wunlock(w)
             self.ep.worker.reap()
+            if rc == SIGNALLED:
+                raise_pending()
             if rc == ETIMEDOUT:
                 raise _errors.Timeout("send did not complete in time (it continues)")
+            if rc == ESHUTDOWN_ and not pred_op_final(self.op):
+                raise _errors.ConnectionClosed("the Fabric was closed")
             self._finish()
         if self._error is not None:
             raise self._error
@@ -2174,6 +2696,143 @@ cdef class Request:
     def __await__(self):
         return self.await_done().__await__()
 
+    def __repr__(self):
+        state = "done" if self.op == NULL else "pending"
+        return f"<fabric.Request {self.nbytes} bytes {state}>"
+
+
+cdef Endpoint make_endpoint(Worker worker, ep_t* ep):
+    cdef Endpoint e = Endpoint.__new__(Endpoint)
+    e.ep = ep
+    e.worker = worker
+    e.w = worker.w
+    e.key = ep.node.key
+    return e
+
+
+cdef struct recv_result:
+    int err
+    size_t length
+    char* data
+
+
+cdef void take_result(ep_t* ep, recv_result* r) noexcept nogil:
+    """Move a finished receive's result out of the endpoint (lock held)."""
+    cdef posted_t* p = &ep.posted
+    r.err = p.err
+    r.length = p.length
+    r.data = p.result
+    memset(p, 0, sizeof(posted_t))
+
+cdef int take_stash(ep_t* ep, char* dst, size_t cap, recv_result* r) noexcept nogil:
+    """A receive interrupted after it had completed left its message here:
+    hand it to this receive. 0 if there is none."""
+    if not ep.has_stash:
+        return 0
+    memset(r, 0, sizeof(recv_result))
+    r.length = ep.stash_len
+    if dst == NULL:
+        r.data = ep.stash_data
+    elif ep.stash_len > cap:
+        r.err = EMSGSIZE          # kept for a larger buffer
+        return 1
+    else:
+        memcpy(dst, ep.stash_data, ep.stash_len)
+        free(ep.stash_data)
+    ep.stash_data = NULL
+    ep.has_stash = 0
+    return 1
+
+cdef void stash_result(ep_t* ep, char* dst, recv_result* r) noexcept nogil:
+    """Keep a completed receive's message for the next receive (its caller was
+    interrupted): nothing received is ever lost."""
+    cdef char* copy
+    if r.err:
+        if r.data != NULL:
+            free(r.data)
+        return
+    if dst == NULL:
+        copy = r.data
+    else:
+        copy = <char*>malloc(r.length if r.length else 1)
+        if copy == NULL:
+            ep_fail(ep, ENOMEM, "out of memory keeping an interrupted receive")
+            return
+        memcpy(copy, dst, r.length)
+    ep.stash_data = copy
+    ep.stash_len = r.length
+    ep.has_stash = 1
+
+cdef int unpost(ep_t* ep) noexcept nogil:
+    """Withdraw an unfinished receive (lock held). A message already being
+    pulled into the caller's buffer moves to memory of our own first, so
+    nothing is lost and the caller's buffer is free again. Returns 1 if
+    reads into the caller's buffer are still landing (wait, then call
+    again), 0 when done."""
+    cdef posted_t* p = &ep.posted
+    cdef inmsg_t* m = p.msg
+    cdef desc_t* d
+    cdef char* nb
+    cdef recv_result r
+    if p.done:
+        # it completed meanwhile: keep its message for the next receive
+        take_result(ep, &r)
+        stash_result(ep, p.dst, &r)
+        return 0
+    # From here on the message is never delivered into this receive (its
+    # caller has given up on it): it moves to our memory and stays first.
+    p.withdrawing = 1
+    if m != NULL and p.dst != NULL and m.data == p.dst:
+        d = m.descs
+        while d != NULL:
+            if d.reading and ep.ch != NULL:
+                if ep.ch.ops.cancel_read(ep.ch, <uint64_t><size_t>d | TAG_DESC) == 0:
+                    d.reading = 0
+                    m.reads -= 1
+            d = d.next
+        if m.reads > 0 and ep.state != EP_DEAD:
+            return 1
+        if ep.state != EP_DEAD:
+            nb = <char*>malloc(m.total)
+            if nb == NULL:
+                ep_fail(ep, ENOMEM, "out of memory moving a message")
+            else:
+                memcpy(nb, m.data, m.total)
+                if m.dst_registered:
+                    ep.ch.ops.dereg(ep.ch, &m.dst_mr)
+                    m.dst_registered = 0
+                m.data = nb
+                m.own_data = 1
+                m.charge += m.total
+                ep.inbuf_bytes += m.total
+                if m.received < m.total:
+                    issue_reads(ep, m)
+    if p.result != NULL:
+        free(p.result)
+    memset(p, 0, sizeof(posted_t))
+    return 0
+
+cdef void withdraw(ep_t* ep) noexcept nogil:
+    """unpost, waiting for reads that cannot be cancelled (lock held)."""
+    while unpost(ep):
+        worker_wait_quiet(ep.w, pred_no_reads, ep, -1.0)
+
+cdef int recv_begin(ep_t* ep, char* dst, size_t cap, recv_result* r) noexcept nogil:
+    """Start a receive (lock held): 1 if it completed at once (r filled), 0
+    if it is posted, -EBUSY if another receive is in progress, -ESHUTDOWN_
+    if the endpoint is closed."""
+    if ep.closed:
+        return -ESHUTDOWN_
+    if ep.posted.active:
+        return -EBUSY_
+    if take_stash(ep, dst, cap, r):
+        return 1
+    ep_post(ep, dst, cap)
+    if ep.posted.done:
+        take_result(ep, r)
+        return 1
+    return 0
+
 
 @cython.no_gc_clear
 cdef class Endpoint:
@@ -2181,17 +2840,28 @@ cdef class Endpoint:
     cdef ep_t* ep
     cdef worker_t* w
     cdef readonly Worker worker
-    cdef Py_buffer async_view      # recv buffer of a _try_recv in progress
+    cdef readonly uint64_t key      # identifies it to fabric.aio while open
+    cdef Py_buffer async_view       # recv buffer of a _try_recv in progress
     cdef int async_view_held
     cdef object __weakref__
 
+    def __init__(self):
+        raise TypeError("Endpoints come from Fabric.connect() and Listener.accept()")
+
     def __dealloc__(self):
+        cdef int was_closed
         if self.ep != NULL:
+            if forked(self.w):
+                self.ep = NULL      # the parent's: leave it
+                return
+            was_closed = self.ep.closed
             with nogil:
                 alock(self.w)
                 ep_free(self.ep)
                 wunlock(self.w)
             self.ep = NULL
+            if not was_closed:
+                _warn_unclosed("fabric.Endpoint")
         self._drop_async_view()
 
     cdef void _drop_async_view(self):
@@ -2200,29 +2870,36 @@ cdef class Endpoint:
             PyBuffer_Release(&self.async_view)
 
     cdef str _detail(self, int err):
+        if self.ep == NULL:
+            return None
         if self.ep.closed:
             return "endpoint closed"
         if self.ep.state == EP_DEAD and self.ep.error[0]:
             return self.ep.error.decode(errors="replace")
         return None
 
-    cdef inline void _check_open(self) except *:
+    cdef inline int _check_open(self) except -1:
+        if self.ep == NULL:
+            raise _errors.FabricError("this Endpoint was never connected")
+        if forked(self.w):
+            raise forked_error()
         if self.ep.closed:
             raise _errors.ConnectionClosed("endpoint is closed")
+        return 0
 
     @property
     def local_address(self):
         self._check_open()
-        return self.ep.ch.local_name.decode() if self.ep.ch != NULL else None
+        return self.ep.local_name.decode()
 
     @property
     def peer_address(self):
         self._check_open()
-        return self.ep.ch.peer_name.decode() if self.ep.ch != NULL else None
+        return self.ep.peer_name.decode()
 
     @property
     def closed(self):
-        return self.ep.closed or self.ep.state == EP_DEAD
+        return self.ep == NULL or self.ep.closed != 0 or self.ep.state == EP_DEAD
 
     @property
     def eager_limit(self):
@@ -2231,8 +2908,14 @@ cdef class Endpoint:
 
     def stats(self):
         """Counters for tests and tools."""
+        cdef int64_t regions = 0
         self._check_open()
         cdef ep_t* e = self.ep
+        with nogil:
+            alock(self.w)
+            if e.ch != NULL:
+                regions = e.ch.live_regions - e.own_regions
+            wunlock(self.w)
         return {"peer_credits": e.peer_credits, "pending_sends": e.pending_sends,
                 "buffered_bytes": e.inbuf_bytes, "held_credits": e.held,
                 "send_buffers": e.slabs_total, "credits_to_return": e.c2r,
@@ -2246,7 +2929,7 @@ cdef class Endpoint:
                 # long the next wait busy-polls before it blocks
                 "typical_wait_us": e.typical_wait * 1e6, "spin_us": spin_for(e.w, e) * 1e6,
                 # registrations made for messages (the endpoint's own buffers excluded)
-                "registered_regions": e.ch.live_regions - e.own_regions if e.ch != NULL else 0}
+                "registered_regions": regions}
 
     def protocol_for(self, size_t size):
         """The protocol a message of `size` bytes takes on this endpoint, and
@@ -2255,7 +2938,7 @@ cdef class Endpoint:
         self._check_open()
         if size <= self.ep.eager_limit:
             return ("eager", 0)
-        if (self.ep.ch.caps & FAB_CAP_NATIVE_LARGE and self.w.opts.native_min
+        if (self.ep.caps & FAB_CAP_NATIVE_LARGE and self.w.opts.native_min
                 and size >= self.w.opts.native_min):
             return ("native", (size + NATIVE_CHUNK - 1) // NATIVE_CHUNK)
         return ("rendezvous", (size + self.w.opts.chunk_size - 1) // self.w.opts.chunk_size)
@@ -2264,27 +2947,30 @@ cdef class Endpoint:
         """Send one message (a buffer, or a list/tuple of buffers sent as one
         message). Returns when obj may be reused."""
         cdef sendop_t* op
-        cdef int err
+        cdef int err = 0, rc = 0
+        cdef ep_t* ep
         self._check_open()
         op = op_from(obj)
+        ep = self.ep
         with nogil:
             alock(self.w)
-            ep_submit(self.ep, op)
-        try:
+            ep_submit(ep, op)
             if not pred_op_final(op):
                 # While we wait, the peer's large messages are pulled ahead:
                 # two peers sending to each other must not wait on each other.
-                self.ep.send_waiters += 1
-                try:
-                    self.worker.wait(pred_op_final, op, self.ep, -1.0)
-                finally:
-                    self.ep.send_waiters -= 1
-            err = op.err
-        finally:
-            ep_settle(self.ep)
+                ep.send_waiters += 1
+                rc = wait_sig(self.w, pred_op_final, op, ep, -1.0)
+                ep.send_waiters -= 1
+            if pred_op_final(op):
+                err = op.err
+            elif rc == ESHUTDOWN_:
+                err = ESHUTDOWN_
+            ep_settle(ep)
             wunlock(self.w)
-            op_release(self.worker, op)
-            self.worker.reap()
+        op_release(self.worker, op)
+        self.worker.reap()
+        if rc == SIGNALLED:
+            raise_pending()
         if err:
             raise make_error(err, "send failed", self._detail(err))
 
@@ -2293,27 +2979,22 @@ cdef class Endpoint:
         request is done."""
         cdef sendop_t* op
         cdef Request req
+        cdef ep_t* ep
         self._check_open()
         op = op_from(obj)
         req = Request.__new__(Request)
         req.op = op
         req.ep = self
         req.nbytes = op.total
+        ep = self.ep
         with nogil:
             alock(self.w)
-            ep_submit(self.ep, op)
-            ep_settle(self.ep)
+            ep_submit(ep, op)
+            ep_settle(ep)
+            if not pred_op_final(op):
+                notify_loop_dirty(self.w)
             wunlock(self.w)
         return req
-
-    cdef int _take(self, recv_result* r) noexcept nogil:
-        """Move a finished receive's result out of the endpoint (lock held)."""
-        cdef posted_t* p = &self.ep.posted
-        r.err = p.err
-        r.length = p.length
-        r.data = p.result
-        memset(p, 0, sizeof(posted_t))
-        return r.err
 
     cdef object _result(self, recv_result* r, int want_message):
         """Message / byte count / exception for a taken result (lock NOT held:
@@ -2333,82 +3014,37 @@ cdef class Endpoint:
             return make_message(r.data, r.length)
         return r.length
 
-    cdef int _unpost(self) noexcept nogil:
-        """Withdraw an unfinished receive (lock held). A message already being
-        pulled into the caller's buffer moves to memory of our own first, so
-        nothing is lost and the caller's buffer is free again. Returns 1 if
-        reads into the caller's buffer are still landing (wait, then call
-        again), 0 when done."""
-        cdef posted_t* p = &self.ep.posted
-        cdef inmsg_t* m = p.msg
-        cdef desc_t* d
-        cdef char* nb
-        # From here on the message is never delivered into this receive (its
-        # caller has given up on it): it moves to our memory and stays first.
-        p.withdrawing = 1
-        if m != NULL and p.dst != NULL and m.data == p.dst:
-            d = m.descs
-            while d != NULL:
-                if d.reading and self.ep.ch != NULL:
-                    if self.ep.ch.ops.cancel_read(self.ep.ch, <uint64_t><size_t>d | TAG_DESC) == 0:
-                        d.reading = 0
-                        m.reads -= 1
-                d = d.next
-            if m.reads > 0 and self.ep.state != EP_DEAD:
-                return 1
-            if self.ep.state != EP_DEAD:
-                nb = <char*>malloc(m.total)
-                if nb == NULL:
-                    ep_fail(self.ep, ENOMEM, "out of memory moving a message")
-                else:
-                    memcpy(nb, m.data, m.total)
-                    if m.dst_registered:
-                        self.ep.ch.ops.dereg(self.ep.ch, &m.dst_mr)
-                        m.dst_registered = 0
-                    m.data = nb
-                    m.own_data = 1
-                    m.charge += m.total
-                    self.ep.inbuf_bytes += m.total
-                    if m.received < m.total:
-                        issue_reads(self.ep, m)
-        if p.result != NULL:
-            free(p.result)
-        memset(p, 0, sizeof(posted_t))
-        return 0
-
-    cdef void _withdraw(self):
-        """_unpost, waiting for reads that cannot be cancelled (lock held)."""
-        while self._unpost():
-            with nogil:
-                worker_wait(self.w, pred_no_reads, self.ep, self.ep, -1.0)
-
     cdef object _recv(self, char* dst, size_t cap, timeout):
         cdef double deadline = deadline_of(timeout)
-        cdef int rc = 0, busy = 0, done = 0
+        cdef int rc = 0, begun, done = 0
         cdef recv_result r
+        cdef ep_t* ep
         self._check_open()
-        glock(self.w)
-        try:
-            if self.ep.posted.active:
-                busy = 1
-            else:
-                with nogil:
-                    ep_post(self.ep, dst, cap)
-                try:
-                    if not self.ep.posted.done:
-                        rc = self.worker.wait(pred_posted, self.ep, self.ep, deadline)
-                finally:
-                    done = self.ep.posted.done
-                    if done:
-                        self._take(&r)
-                    else:
-                        self._withdraw()
-            ep_settle(self.ep)
-        finally:
+        ep = self.ep
+        memset(&r, 0, sizeof(r))
+        with nogil:
+            alock(self.w)
+            begun = recv_begin(ep, dst, cap, &r)
+            if begun == 1:
+                done = 1
+            elif begun == 0:
+                rc = wait_sig(self.w, pred_posted, ep, ep, deadline)
+                if ep.posted.done and rc != SIGNALLED:
+                    take_result(ep, &r)
+                    done = 1
+                else:
+                    withdraw(ep)       # keeps a message that completed meanwhile
+            ep_settle(ep)
             wunlock(self.w)
-        if busy:
+        if rc == SIGNALLED:
+            raise_pending()
+        if begun == -EBUSY_:
             raise _errors.BusyError("another receive is in progress on this endpoint")
+        if begun == -ESHUTDOWN_:
+            raise _errors.ConnectionClosed("endpoint is closed")
         if not done:
+            if rc == ESHUTDOWN_:
+                raise _errors.ConnectionClosed("the Fabric was closed")
             raise _errors.Timeout("no message arrived in time")
         return self._result(&r, dst == NULL)
 
@@ -2424,6 +3060,7 @@ cdef class Endpoint:
         its size. A message larger than buf raises MessageTooLarge and stays
         queued."""
         cdef Py_buffer view
+        self._check_open()
         get_writable(buf, &view)
         try:
             r = self._recv(<char*>view.buf, <size_t>view.len, timeout)
@@ -2449,32 +3086,40 @@ cdef class Endpoint:
         The buffer stays referenced until completion or _cancel_recv()."""
         cdef char* dst = NULL
         cdef size_t cap = 0
-        cdef int done = 0, busy = 0
+        cdef int done = 0, busy = 0, closed = 0, begun
         cdef recv_result r
+        cdef ep_t* ep
         self._check_open()
+        ep = self.ep
         if buf is not None and not self.async_view_held:
             get_writable(buf, &self.async_view)
             self.async_view_held = 1
         if self.async_view_held:
             dst = <char*>self.async_view.buf
             cap = <size_t>self.async_view.len
+        memset(&r, 0, sizeof(r))
         with nogil:
             alock(self.w)
-            if not self.ep.posted.active:
-                ep_post(self.ep, dst, cap)
-            elif self.ep.posted.dst != dst:
+            if not ep.posted.active:
+                begun = recv_begin(ep, dst, cap, &r)
+                done = begun == 1
+                closed = begun == -ESHUTDOWN_
+            elif ep.posted.dst != dst:
                 busy = 1
             else:
-                if self.ep.state == EP_OPEN:
-                    progress_ep(self.ep)
-                ep_deliver(self.ep)
-            if not busy and self.ep.posted.done:
-                done = 1
-                self._take(&r)
-            ep_settle(self.ep)
+                if ep.state == EP_OPEN:
+                    progress_ep(ep)
+                ep_deliver(ep)
+                if ep.posted.done:
+                    take_result(ep, &r)
+                    done = 1
+            ep_settle(ep)
             wunlock(self.w)
         if busy:
             raise _errors.BusyError("another receive is in progress on this endpoint")
+        if closed:
+            self._drop_async_view()
+            raise _errors.ConnectionClosed("endpoint is closed")
         if not done:
             return None
         self._drop_async_view()
@@ -2484,34 +3129,79 @@ cdef class Endpoint:
         return result
 
     def _cancel_recv(self):
-        if not self.ep.closed:
-            glock(self.w)
-            if self.ep.posted.active:
-                self._withdraw()
-            wunlock(self.w)
+        """Withdraw the receive _try_recv started; a message that completed
+        meanwhile is kept for the next receive."""
+        if self.ep != NULL and not forked(self.w):
+            with nogil:
+                alock(self.w)
+                if self.ep.posted.active:
+                    withdraw(self.ep)
+                wunlock(self.w)
         self._drop_async_view()
+
+    def _state(self):
+        """fabric.aio: 0 while the handshake runs, 1 when open, -1 once failed."""
+        if self.ep == NULL or self.ep.closed:
+            return -1
+        if self.ep.state == EP_HANDSHAKE:
+            return 0
+        return 1 if self.ep.state == EP_OPEN else -1
+
+    def _failure(self):
+        """Why the handshake or the connection failed (fabric.aio)."""
+        if self.ep == NULL:
+            return "never connected"
+        return self.ep.error.decode(errors="replace") or "closed"
+
+    def _close_begin(self):
+        """aclose(): flush and say goodbye; True once everything left."""
+        cdef int done = 1
+        if self.ep == NULL or self.ep.closed or forked(self.w):
+            return True
+        with nogil:
+            alock(self.w)
+            if self.ep.state == EP_OPEN:
+                self.ep.close_requested = 1
+                ep_flush(self.ep)
+                done = ep_drained(self.ep)
+            wunlock(self.w)
+        return bool(done)
+
+    def _drained(self):
+        cdef int done = 1
+        if self.ep == NULL or self.ep.closed or forked(self.w):
+            return True
+        with nogil:
+            alock(self.w)
+            progress_ep(self.ep)
+            done = ep_drained(self.ep)
+            wunlock(self.w)
+        return bool(done)
 
     def close(self, linger=None):
         """Send what is queued and say goodbye (waiting at most `linger`
         seconds, default the close_linger option), then release everything.
         Pending operations fail with ConnectionClosed. Idempotent."""
         cdef double deadline
-        if self.ep.closed:
+        cdef int rc = 0
+        cdef ep_t* ep = self.ep
+        if ep == NULL or ep.closed:
             return
-        deadline = monotonic_now() + (self.w.opts.close_linger if linger is None else float(linger))
-        glock(self.w)
-        try:
-            if self.ep.state == EP_OPEN:
-                self.ep.close_requested = 1
-                ep_flush(self.ep)
-                try:
-                    self.worker.wait(pred_drained, self.ep, self.ep, deadline)
-                except BaseException:
-                    pass
-            ep_close(self.ep)
-        finally:
+        if forked(self.w):
+            raise forked_error()
+        deadline = monotonic_now() + (self.w.opts.close_linger if linger is None else max(0.0, float(linger)))
+        with nogil:
+            alock(self.w)
+            if not ep.closed:
+                if ep.state == EP_OPEN:
+                    ep.close_requested = 1
+                    ep_flush(ep)
+                    rc = wait_sig(self.w, pred_drained, ep, ep, deadline)
+                ep_close(ep)
             wunlock(self.w)
         self.worker.reap()
+        if rc == SIGNALLED:
+            raise_pending()
 
     def __enter__(self):
         return self
@@ -2547,9 +3237,21 @@ cdef class Endpoint:
         await self.aclose()
 
     def __repr__(self):
+        if self.ep == NULL:
+            return "<fabric.Endpoint unconnected>"
         if self.ep.closed:
             return "<fabric.Endpoint closed>"
-        return f"<fabric.Endpoint {self.local_address} -> {self.peer_address} {self.worker.backend.name}>"
+        return (f"<fabric.Endpoint {self.ep.local_name.decode()} -> {self.ep.peer_name.decode()} "
+                f"{self.worker.backend.name}>")
+
+
+cdef inline void notify_loop_dirty(worker_t* w) noexcept nogil:
+    """A call outside any wait left an endpoint with work for the poller
+    (an isend waiting for credits or socket space): an event loop that
+    polls must re-arm, or the work waits until something else wakes it."""
+    cdef uint64_t one = 1
+    if w.loop_polling and w.notify_fd >= 0:
+        write(w.notify_fd, &one, 8)
 
 
 @cython.no_gc_clear
@@ -2557,64 +3259,75 @@ cdef class Listener:
     """Accepts endpoints; handshakes run in the background of accept()."""
     cdef lst_t* l
     cdef readonly Worker worker
+    cdef readonly uint64_t key      # identifies it to fabric.aio while open
     cdef object __weakref__
 
+    def __init__(self):
+        raise TypeError("Listeners come from Fabric.listen()")
+
     def __dealloc__(self):
+        cdef int was_closed
         if self.l != NULL:
-            self._close()
+            if forked(self.l.w):
+                self.l = NULL
+                return
+            was_closed = self.l.closed
+            with nogil:
+                alock(self.l.w)
+                listener_close(self.l)
+                q_remove(&self.l.w.touched, &self.l.node.touched)
+                wunlock(self.l.w)
             free(self.l)
             self.l = NULL
+            if not was_closed:
+                _warn_unclosed("fabric.Listener")
 
-    cdef void _close(self):
-        """Stop accepting (idempotent). The struct stays valid, because another
-        thread may be inside accept(); __dealloc__ frees it."""
-        cdef ep_t* ep = NULL
-        glock(self.worker.w)
-        if not self.l.closed:
-            self.l.closed = 1
-            while self.l.pending != NULL:
-                ep = self.l.pending
-                self.l.pending = ep.lst_next
-                ep_free(ep)
-            while self.l.ready_head != NULL:
-                ep = self.l.ready_head
-                self.l.ready_head = ep.lst_next
-                ep_free(ep)
-            self.l.ready_tail = NULL
-            epoll_ctl(self.worker.w.epfd, EPOLL_CTL_DEL, self.l.fl.fd, NULL)
-            node_unregister(self.worker.w, &self.l.node)
-            self.l.fl.close(self.l.fl)
-            self.l.fl = NULL
-            worker_kick(self.worker.w)
-        wunlock(self.worker.w)
+    cdef int _check_open(self) except -1:
+        if self.l == NULL:
+            raise _errors.FabricError("this Listener was never set up")
+        if forked(self.l.w):
+            raise forked_error()
+        if self.l.closed:
+            raise _errors.ConnectionClosed("listener is closed")
+        return 0
 
     @property
     def address(self):
-        if self.l.closed:
-            raise _errors.ConnectionClosed("listener is closed")
+        self._check_open()
         return self.l.fl.address.decode()
+
+    @property
+    def closed(self):
+        return self.l == NULL or self.l.closed != 0
+
+    cdef ep_t* _pop_ready(self) noexcept nogil:
+        cdef ep_t* ep = self.l.ready_head
+        if ep != NULL:
+            self.l.ready_head = ep.lst_next
+            if self.l.ready_head == NULL:
+                self.l.ready_tail = NULL
+            ep.lst_next = NULL
+            ep.listener = NULL
+        return ep
 
     def accept(self, timeout=None):
         """The next connected endpoint (after a successful handshake)."""
         cdef double deadline = deadline_of(timeout)
         cdef ep_t* ep = NULL
         cdef int rc = 0
-        if self.l.closed:
-            raise _errors.ConnectionClosed("listener is closed")
-        glock(self.worker.w)
-        try:
-            with nogil:
+        cdef worker_t* w
+        self._check_open()
+        w = self.l.w
+        with nogil:
+            alock(w)
+            if not self.l.closed:
                 progress_listener(self.l)
-            rc = self.worker.wait(pred_accept, self.l, NULL, deadline)
-            ep = self.l.ready_head
-            if ep != NULL:
-                self.l.ready_head = ep.lst_next
-                if self.l.ready_head == NULL:
-                    self.l.ready_tail = NULL
-                ep.lst_next = NULL
-                ep.listener = NULL
-        finally:
-            wunlock(self.worker.w)
+                rc = wait_sig(w, pred_accept, self.l, NULL, deadline)
+                if rc != SIGNALLED:        # interrupted: a ready connection stays queued
+                    ep = self._pop_ready()
+            wunlock(w)
+        if rc == SIGNALLED:
+            raise_pending()
         if ep == NULL:
             if rc == ETIMEDOUT:
                 raise _errors.Timeout("no connection arrived in time")
@@ -2622,24 +3335,30 @@ cdef class Listener:
         return make_endpoint(self.worker, ep)
 
     def _try_accept(self):
-        if self.l.closed:
-            raise _errors.ConnectionClosed("listener is closed")
         cdef ep_t* ep = NULL
-        glock(self.worker.w)
+        cdef worker_t* w
+        self._check_open()
+        w = self.l.w
         with nogil:
-            progress_listener(self.l)
-        ep = self.l.ready_head
-        if ep != NULL:
-            self.l.ready_head = ep.lst_next
-            if self.l.ready_head == NULL:
-                self.l.ready_tail = NULL
-            ep.lst_next = NULL
-            ep.listener = NULL
-        wunlock(self.worker.w)
+            alock(w)
+            if not self.l.closed:
+                progress_listener(self.l)
+                ep = self._pop_ready()
+            wunlock(w)
+        if ep == NULL and self.l.closed:
+            raise _errors.ConnectionClosed("listener is closed")
         return None if ep == NULL else make_endpoint(self.worker, ep)
 
     def close(self):
-        self._close()
+        """Stop accepting; handshakes in progress are dropped. Idempotent."""
+        if self.l == NULL or self.l.closed:
+            return
+        if forked(self.l.w):
+            raise forked_error()
+        with nogil:
+            alock(self.l.w)
+            listener_close(self.l)
+            wunlock(self.l.w)
 
     async def aaccept(self, timeout=None):
         """accept() for asyncio."""
@@ -2653,4 +3372,6 @@ cdef class Listener:
         self.close()
 
     def __repr__(self):
+        if self.l == NULL:
+            return "<fabric.Listener unset>"
         return f"<fabric.Listener {'closed' if self.l.closed else self.address}>"
