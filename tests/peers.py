@@ -108,6 +108,21 @@ def big_receiver(backend, size):
     time.sleep(60)
 
 
+def accept_many(backend, count):
+    """Accept `count` connections with plain accept(), echo one message on
+    each, then report how many were served."""
+    fab = fabric.Fabric(backend, **SMALL)
+    lst = fab.listen("127.0.0.1:0")
+    say(lst.address)
+    eps = [lst.accept(timeout=120) for _ in range(int(count))]
+    for ep in eps:
+        ep.send(ep.recv(timeout=60))
+    for ep in eps:
+        ep.close()
+    say(f"served {len(eps)}")
+    fab.close()
+
+
 if __name__ == "__main__":
     role, backend, *args = sys.argv[1:]
     globals()[role](backend, *args)

@@ -47,6 +47,8 @@ cdef enum:
     FAB_CAP_READ_ANY_MEMORY = 8    # read()'s destination need not be registered
     FAB_CAP_SEND_COPIES = 16       # FAB_DONE from send() means the data was copied out
     FAB_CAP_NATIVE_LARGE = 32      # send_large/recv_large: the fabric's own rendezvous
+    FAB_CAP_ORDERED_CLOSE = 64     # the peer sees close() only after everything sent before it
+                                   # (one stream); else a graceful close waits for the peer's CLOSE
 
 # Results of send() / read() / reg(); negative values are -errno and mean the
 # channel has failed (its error text says why).

@@ -49,7 +49,9 @@ cdef class Backend:
                            (FAB_CAP_NATIVE_WRITE, "native_write"),
                            (FAB_CAP_SEND_ANY_MEMORY, "send_any_memory"),
                            (FAB_CAP_READ_ANY_MEMORY, "read_any_memory"),
-                           (FAB_CAP_SEND_COPIES, "send_copies")):
+                           (FAB_CAP_SEND_COPIES, "send_copies"),
+                           (FAB_CAP_NATIVE_LARGE, "native_large"),
+                           (FAB_CAP_ORDERED_CLOSE, "ordered_close")):
             if self.caps & flag:
                 names.append(name)
         return tuple(names)

@@ -633,7 +633,7 @@ cdef fab_channel* new_channel(int fd, size_t max_recv) noexcept nogil:
         return NULL
     c.base.ops = &TCP_OPS
     c.base.fd = fd
-    c.base.caps = FAB_CAP_SEND_ANY_MEMORY | FAB_CAP_READ_ANY_MEMORY | FAB_CAP_SEND_COPIES
+    c.base.caps = FAB_CAP_SEND_ANY_MEMORY | FAB_CAP_READ_ANY_MEMORY | FAB_CAP_SEND_COPIES | FAB_CAP_ORDERED_CLOSE
     c.base.max_recv = max_recv
     c.base.send_depth = 1
     c.rcap = max_recv + HDR + 4096
@@ -682,7 +682,7 @@ cdef class TcpBackend(Backend):
 
     def __init__(self):
         self.name = "tcp"
-        self.caps = FAB_CAP_SEND_ANY_MEMORY | FAB_CAP_READ_ANY_MEMORY | FAB_CAP_SEND_COPIES
+        self.caps = FAB_CAP_SEND_ANY_MEMORY | FAB_CAP_READ_ANY_MEMORY | FAB_CAP_SEND_COPIES | FAB_CAP_ORDERED_CLOSE
 
     def default_options(self):
         # Over TCP a rendezvous costs one extra round trip and saves one copy at

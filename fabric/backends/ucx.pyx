@@ -1066,6 +1066,10 @@ cdef void ucx_close_listener(fab_listener* lst) noexcept nogil:
     free(lst)
 
 
+# The process that initialised UCX (0: none yet). UCX keeps process-wide
+# helper threads (its async progress) that a forked child does not inherit.
+_initialised_in = 0
+
 SHARED_MEMORY_TLS = {"sm", "shm", "sysv", "posix", "cma", "knem", "xpmem", "self", "mm"}
 
 
@@ -1110,9 +1114,20 @@ cdef class UcxBackend(Backend):
         return True, f"UCX {loaded[0]}.{loaded[1]}"
 
     def open_domain(self, dict options):
-        cdef UcxDomain dom = UcxDomain.__new__(UcxDomain)
-        cdef ucx_domain* d = <ucx_domain*>calloc(1, sizeof(ucx_domain))
+        global _initialised_in
+        cdef UcxDomain dom
+        cdef ucx_domain* d
         cdef ucs_status_t st
+        if _initialised_in not in (0, os.getpid()):
+            from fabric.errors import BackendUnavailable
+            raise BackendUnavailable(
+                "UCX was initialised in a parent of this forked process; its helper threads did not "
+                "survive the fork, so UCX cannot be used here (connections hang). Start this process "
+                "with the 'spawn' or 'forkserver' method of multiprocessing, or create the parent's "
+                "ucx Fabric after forking.")
+        _initialised_in = os.getpid()
+        dom = UcxDomain.__new__(UcxDomain)
+        d = <ucx_domain*>calloc(1, sizeof(ucx_domain))
         if d == NULL:
             raise MemoryError()
         with nogil:

@@ -1858,12 +1858,17 @@ cdef int pred_accept(void* arg) noexcept nogil:
     return l.ready_head != NULL or l.closed
 
 cdef int ep_drained(ep_t* ep) noexcept nogil:
+    """A closing endpoint has sent everything, CLOSE included. Where the
+    peer learns of close() by another path than the data (a bootstrap socket
+    beside UCX or RDMA traffic), also wait for the peer's answering CLOSE:
+    it proves the peer took ours, or it would see a reset instead."""
     if ep.state != EP_OPEN:
         return 1
     return (ep.close_sent and ep.pending_sends == 0 and ep.ready_head == NULL
             and (ep.open_data == NULL or ep.open_data.used == 0) and ep.rndv_out == NULL
             and ep.zc_out == NULL and ep.ctrl_ready_head == NULL
-            and (ep.ctrl == NULL or ep.ctrl.used == 0))
+            and (ep.ctrl == NULL or ep.ctrl.used == 0)
+            and (ep.peer_closed or (ep.caps & FAB_CAP_ORDERED_CLOSE)))
 
 cdef int pred_drained(void* arg) noexcept nogil:
     return ep_drained(<ep_t*>arg)
@@ -2691,6 +2696,9 @@ cdef class Request:
     async def await_done(self, timeout=None):
         """wait() for asyncio."""
         from fabric import aio
+        if self.op == NULL:
+            self.wait(0)
+            return
         await aio.wait_request(self, timeout)
 
     def __await__(self):
@@ -2745,7 +2753,8 @@ cdef int take_stash(ep_t* ep, char* dst, size_t cap, recv_result* r) noexcept no
 
 cdef void stash_result(ep_t* ep, char* dst, recv_result* r) noexcept nogil:
     """Keep a completed receive's message for the next receive (its caller was
-    interrupted): nothing received is ever lost."""
+    interrupted): nothing received is ever lost. dst: the receive's buffer
+    (recv_into), or NULL (recv: r.data holds the message)."""
     cdef char* copy
     if r.err:
         if r.data != NULL:
@@ -2753,6 +2762,11 @@ cdef void stash_result(ep_t* ep, char* dst, recv_result* r) noexcept nogil:
         return
     if dst == NULL:
         copy = r.data
+        if copy == NULL:              # an empty message
+            copy = <char*>malloc(1)
+            if copy == NULL:
+                ep_fail(ep, ENOMEM, "out of memory keeping an interrupted receive")
+                return
     else:
         copy = <char*>malloc(r.length if r.length else 1)
         if copy == NULL:
@@ -2774,10 +2788,11 @@ cdef int unpost(ep_t* ep) noexcept nogil:
     cdef desc_t* d
     cdef char* nb
     cdef recv_result r
+    cdef char* dst = p.dst
     if p.done:
         # it completed meanwhile: keep its message for the next receive
-        take_result(ep, &r)
-        stash_result(ep, p.dst, &r)
+        take_result(ep, &r)           # (clears p)
+        stash_result(ep, dst, &r)
         return 0
     # From here on the message is never delivered into this receive (its
     # caller has given up on it): it moves to our memory and stays first.
@@ -2931,11 +2946,14 @@ cdef class Endpoint:
                 # registrations made for messages (the endpoint's own buffers excluded)
                 "registered_regions": regions}
 
-    def protocol_for(self, size_t size):
+    def protocol_for(self, size):
         """The protocol a message of `size` bytes takes on this endpoint, and
         its chunk count: ('eager', 0), ('rendezvous', chunks) for the engine's
         pulls, or ('native', chunks) for the fabric's own rendezvous."""
         self._check_open()
+        size = int(size)
+        if size < 0:
+            raise ValueError("size must be >= 0")
         if size <= self.ep.eager_limit:
             return ("eager", 0)
         if (self.ep.caps & FAB_CAP_NATIVE_LARGE and self.w.opts.native_min
@@ -3214,20 +3232,25 @@ cdef class Endpoint:
     async def asend(self, obj, timeout=None):
         """send() for asyncio."""
         from fabric import aio
+        self._check_open()
         await aio.send(self, obj, timeout)
 
     async def arecv(self, timeout=None):
         """recv() for asyncio."""
         from fabric import aio
+        self._check_open()
         return await aio.recv(self, None, timeout)
 
     async def arecv_into(self, buf, timeout=None):
         """recv_into() for asyncio; buf stays in use until it returns."""
         from fabric import aio
+        self._check_open()
         return await aio.recv(self, buf, timeout)
 
     async def aclose(self, linger=None):
         from fabric import aio
+        if self.ep == NULL:
+            return
         await aio.close(self, linger)
 
     async def __aenter__(self):
@@ -3363,6 +3386,7 @@ cdef class Listener:
     async def aaccept(self, timeout=None):
         """accept() for asyncio."""
         from fabric import aio
+        self._check_open()
         return await aio.accept(self, timeout)
 
     def __enter__(self):
