@@ -123,6 +123,49 @@ def accept_many(backend, count):
     fab.close()
 
 
+def faulty(backend, address, scenario):
+    """A peer that FABRIC_FAULT_INJECT (die@stage or garbage@stage) breaks at
+    one protocol stage while it plays `scenario` against the victim at
+    address (tests/test_faults.py). It reports each step on stdout."""
+    os.environ["FABRIC_FAULT_INJECT"] = FAULT
+    fab = fabric.Fabric(backend, **SMALL)
+    if scenario != "serve_hello":
+        say("starting")
+    if scenario == "serve_hello":           # the victim connects to us
+        lst = fab.listen("127.0.0.1:0")
+        say(lst.address)
+        try:
+            lst.accept(timeout=30)
+        except fabric.FabricError as e:
+            say(f"accept failed {type(e).__name__}")
+        time.sleep(30)
+        return
+    try:
+        ep = fab.connect(address, timeout=30)
+    except fabric.FabricError as e:
+        say(f"connect failed {type(e).__name__}")
+        time.sleep(30)
+        return
+    say("connected")
+    try:
+        if scenario == "send_large":        # rndv: we announce a large message
+            ep.send(bytearray(5 * SMALL["chunk_size"]))
+        elif scenario == "recv_large":      # pull / chunk_done: we pull the victim's message
+            ep.recv(timeout=30)
+        elif scenario == "send_many":       # batch: small messages coalesce
+            reqs = [ep.isend(i.to_bytes(4, "little") * 8) for i in range(2000)]
+            for r in reqs:
+                r.wait(timeout=30)
+        elif scenario == "send_then_close":  # close
+            for i in range(10):
+                ep.send(i.to_bytes(4, "little") * 8)
+            ep.close()
+        say("scenario done")
+    except fabric.FabricError as e:
+        say(f"scenario failed {type(e).__name__}")
+    time.sleep(30)
+
+
 if __name__ == "__main__":
     role, backend, *args = sys.argv[1:]
     globals()[role](backend, *args)

@@ -11,6 +11,8 @@ need=()
 command -v gcc >/dev/null || need+=(build-essential)
 command -v ip >/dev/null || need+=(iproute2)
 command -v pkg-config >/dev/null || need+=(pkg-config)
+# clang builds the sanitizer-instrumented copy the fuzz tests run (tools/fuzz.py)
+command -v clang >/dev/null || command -v clang-14 >/dev/null || need+=(clang)
 # Debian's UCX (1.13): a second UCX for the soname-clash test and for
 # FABRIC_UCX=system builds.
 dpkg -s libucx-dev >/dev/null 2>&1 || need+=(libucx-dev)

@@ -41,6 +41,11 @@ def probe(name: str):
     if name in _cache:
         return _cache[name]
     module_name, cls_name = KNOWN[name]
+    if name == "ucx":
+        # UCX logs to stdout unless told otherwise, and reads this when its
+        # library loads (with the module below): nothing fabric loads may
+        # write to the application's stdout. The user's own choice wins.
+        os.environ.setdefault("UCX_LOG_FILE", "stderr")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:

@@ -32,6 +32,11 @@ from fabric.backends.sockets cimport (accept_socket, listen_socket,
 cdef enum:
     HDR = 16
     MAGIC = 0xFA
+    # Answers to the peer's read requests waiting for socket space. A peer
+    # that sends requests but never reads the answers would make this queue
+    # (about 200 bytes each) grow without bound; legitimate readers have a
+    # few chunks per message in flight.
+    QUEUED_ANSWERS_MAX = 16384
     K_MSG = 1
     K_READ_REQ = 2
     K_READ_RESP = 3
@@ -44,6 +49,7 @@ cdef struct tcp_send:
     tcp_send* next
     uint64_t ctx
     int notify                 # report FAB_EV_SEND with ctx when sent
+    int answer                 # an answer to the peer's read request
     int iovcnt
     int iovpos
     iovec* iov
@@ -84,6 +90,8 @@ cdef struct tcp_chan:
     uint32_t nfree
     uint32_t key_salt
     uint32_t key_gen
+    uint32_t answers           # queued answers to read requests (QUEUED_ANSWERS_MAX)
+    uint32_t answers_max       # the most there ever were (fuzzing checks the bound)
 
 
 cdef fab_channel_ops TCP_OPS
@@ -178,6 +186,8 @@ cdef int flush_sends(tcp_chan* c) noexcept nogil:
             c.sq_head = s.next
             if c.sq_head == NULL:
                 c.sq_tail = NULL
+            if s.answer:
+                c.answers -= 1
             if s.notify:
                 fifo_push(&c.done_head, &c.done_tail, s)
             else:
@@ -324,6 +334,9 @@ cdef int serve_read(tcp_chan* c, const uint8_t* h, const uint8_t* body) noexcept
     cdef iovec v[2]
     cdef tcp_send* s
     cdef int cnt
+    if c.answers >= QUEUED_ANSWERS_MAX:
+        return fab_fail(&c.base, EPROTO, "peer sends read requests without taking the answers "
+                                         "(more than 16384 queued)")
     if r == NULL or length > 0xFFFFFFFFUL:
         v[0].iov_base = NULL
         v[0].iov_len = HDR + 4
@@ -343,6 +356,10 @@ cdef int serve_read(tcp_chan* c, const uint8_t* h, const uint8_t* body) noexcept
     else:
         make_header(s.hdr, K_READ_RESP, <uint32_t>length, ident)
     s.iov[0].iov_base = s.hdr
+    s.answer = 1
+    c.answers += 1
+    if c.answers > c.answers_max:
+        c.answers_max = c.answers
     queue_send(c, s)
     return 0
 
@@ -721,3 +738,65 @@ cdef fab_channel* tcp_attach(void* domain, int fd, size_t max_recv, uint32_t rec
     if ch == NULL:
         close(fd)
     return ch
+
+
+# ------------------------------------------------------------- fuzzing hook
+
+MAX_QUEUED_ANSWERS = QUEUED_ANSWERS_MAX
+
+
+def _fuzz_feed(bytes data, size_t max_recv):
+    """Test-only (tests/fuzz): a tcp channel on one end of a socket pair
+    receives `data` from the other end, then its EOF; the channel is polled
+    until it fails. Returns what it delivered and how it ended."""
+    import socket
+    cdef fab_completion ev[32]
+    cdef fab_channel* ch
+    cdef tcp_chan* c
+    cdef fab_mr mr
+    cdef char region[4096]
+    cdef int n, i, rounds = 0
+    a, b = socket.socketpair()
+    b.setblocking(False)
+    ch = new_channel(a.detach(), max_recv)
+    if ch == NULL:
+        b.close()
+        raise MemoryError()
+    c = <tcp_chan*>ch
+    tcp_reg(ch, region, sizeof(region), &mr)
+    out = {"recvs": 0, "recv_bytes": 0, "reads_answered": 0, "failed": 0, "error": "", "queued_max": 0}
+    sent = 0
+    shut = False
+    try:
+        while rounds < 100000:
+            rounds += 1
+            if sent < len(data):
+                try:
+                    sent += b.send(data[sent:sent + 65536])
+                except BlockingIOError:
+                    pass
+            if sent == len(data) and not shut:
+                b.shutdown(socket.SHUT_WR)
+                shut = True
+            n = tcp_poll(ch, ev, 32)
+            for i in range(n):
+                if ev[i].kind == FAB_EV_RECV:
+                    out["recvs"] += 1
+                    out["recv_bytes"] += ev[i].length
+                    if ev[i].length > max_recv:
+                        raise AssertionError("delivered a message larger than max_recv")
+            try:
+                while b.recv(65536):
+                    out["reads_answered"] += 1
+            except (BlockingIOError, ConnectionError):
+                pass
+            if ch.failed:
+                out["failed"] = ch.failed
+                out["error"] = ch.error.decode(errors="replace")
+                break
+        out["queued_max"] = c.answers_max
+    finally:
+        tcp_dereg(ch, &mr)
+        tcp_close(ch)
+        b.close()
+    return out

@@ -22,7 +22,11 @@ stay pending) keep the channel as a zombie of the domain until they complete
 or the domain goes.
 
 Bootstrap message, each way, little-endian:
-    "FUCX" | u16 version 1 | u16 0 | u64 channel key | u32 address length | address
+    "FUCX" | u16 version 2 | u16 flags | u64 channel key | u32 address length | address
+flags bit 0: this side can use UCX's peer-failure error handling. Both
+endpoints of a connection must use the same error-handling mode (UCX refuses
+"asymmetric endpoint configuration"), so each side takes PEER only if both
+offer it; a side whose transports cannot (shared memory only) offers NONE.
 """
 import os
 
@@ -32,7 +36,7 @@ from libc.string cimport memcpy, memset
 from posix.uio cimport iovec
 
 from fabric._posix cimport *
-from fabric._bytes cimport wr32, wr64, rd32, rd64
+from fabric._bytes cimport wr16, wr32, wr64, rd16, rd32, rd64
 from fabric.backends.interface cimport *
 from fabric.backends.sockets cimport (accept_socket, listen_socket,
                                      local_and_peer_names, tune_socket)
@@ -121,8 +125,9 @@ cdef double CLOSE_GRACE = 0.02    # seconds close() lets a live peer's cancellat
 
 cdef enum:
     BOOT_MAGIC = 0x58435546      # "FUCX"
-    BOOT_VERSION = 1
+    BOOT_VERSION = 2
     BOOT_FIXED = 20
+    BOOT_PEER_ERRORS = 1         # bootstrap flag: PEER error handling offered
     MAX_ADDRESS = 65536
     ST_BOOT = 1
     ST_READY = 2
@@ -171,7 +176,7 @@ cdef struct ucx_domain:
     ucp_context_h context
     ucp_worker_h worker
     int efd
-    int peer_errors      # ask UCX for peer-failure reports (not on shared memory only)
+    int peer_errors      # can ask UCX for peer-failure reports (not on shared memory only)
     int refs
     ucx_chan** chans     # channel table, for routing active messages
     uint32_t* gens
@@ -542,7 +547,8 @@ cdef int boot_make(ucx_chan* ch) noexcept nogil:
         ucp_worker_release_address(ch.dom.worker, address)
         return fail_ready(ch, ENOMEM, "bootstrap")
     wr32(ch.bout, BOOT_MAGIC)
-    wr32(ch.bout + 4, BOOT_VERSION)
+    wr16(ch.bout + 4, BOOT_VERSION)
+    wr16(ch.bout + 6, BOOT_PEER_ERRORS if ch.dom.peer_errors else 0)
     wr64(ch.bout + 8, ch.key)
     wr32(ch.bout + 16, <uint32_t>alen)
     memcpy(ch.bout + BOOT_FIXED, address, alen)
@@ -564,6 +570,7 @@ cdef int boot_progress(ucx_chan* ch) noexcept nogil:
     cdef int rc
     cdef epoll_event ev
     cdef ucs_status_t st
+    cdef int peer_errors
     while ch.bout_done < ch.bout_len:
         r = send(ch.sock, ch.bout + ch.bout_done, ch.bout_len - ch.bout_done, MSG_DONTWAIT | MSG_NOSIGNAL)
         if r < 0:
@@ -582,8 +589,10 @@ cdef int boot_progress(ucx_chan* ch) noexcept nogil:
         ch.bin_len += <size_t>r
         if ch.bin_len == BOOT_FIXED and ch.bin_need == BOOT_FIXED:
             alen = rd32(ch.bin + 16)
-            if rd32(ch.bin) != BOOT_MAGIC or rd32(ch.bin + 4) != BOOT_VERSION:
-                return fail_ready(ch, EPROTO, "peer is not a fabric ucx endpoint (bad bootstrap)")
+            if rd32(ch.bin) != BOOT_MAGIC or rd16(ch.bin + 4) != BOOT_VERSION:
+                return fail_ready(ch, EPROTO, "peer is not a fabric ucx endpoint of this version (bad bootstrap)")
+            if rd16(ch.bin + 6) & ~BOOT_PEER_ERRORS:
+                return fail_ready(ch, EPROTO, "peer sent unknown bootstrap flags")
             if alen == 0 or alen > MAX_ADDRESS:
                 return fail_ready(ch, EPROTO, "peer sent an implausible UCX worker address")
             grown = <char*>realloc(ch.bin, BOOT_FIXED + alen)
@@ -594,13 +603,10 @@ cdef int boot_progress(ucx_chan* ch) noexcept nogil:
     if ch.bout_done < ch.bout_len or ch.bin_len < ch.bin_need:
         return 0
     ch.peer_key = rd64(ch.bin + 8)
-    st = UCS_ERR_BUSY
-    if ch.dom.peer_errors:
-        st = fab_ucx_ep_create(ch.dom.worker, <ucp_address_t*>(ch.bin + BOOT_FIXED), 1, on_ep_error, ch, &ch.ep)
-        if st != UCS_OK:
-            ch.dom.peer_errors = 0     # these transports cannot; remember for this Fabric
-    if st != UCS_OK:
-        st = fab_ucx_ep_create(ch.dom.worker, <ucp_address_t*>(ch.bin + BOOT_FIXED), 0, on_ep_error, ch, &ch.ep)
+    # both sides derive the same mode from the two offers
+    peer_errors = ch.dom.peer_errors and (rd16(ch.bin + 6) & BOOT_PEER_ERRORS)
+    st = fab_ucx_ep_create(ch.dom.worker, <ucp_address_t*>(ch.bin + BOOT_FIXED), peer_errors,
+                           on_ep_error, ch, &ch.ep)
     if st != UCS_OK:
         return fail_ready(ch, ECONNREFUSED_, "cannot reach the peer's UCX worker (check UCX_TLS on both sides)")
     ch.state = ST_READY

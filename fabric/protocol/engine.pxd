@@ -22,11 +22,15 @@ cdef struct opts_t:
     int coalesce                # 0: one frame per fabric message (no packing)
     uint64_t native_min         # messages this large use the fabric's own rendezvous (0: never)
     int fault                   # test-only fault injection (FABRIC_FAULT_INJECT), 0 normally
+    int fault_action            # FABRIC_FAULT_INJECT=<action>@<stage>[:<n>]: FA_DIE / FA_GARBAGE
+    int fault_stage             # FS_* (0: none)
+    int fault_count             # occurrences of the stage left before the fault fires
 
 cdef struct slab_t:
     slab_t* next
     size_t used
     uint64_t seq
+    uint32_t frames             # frames packed into it (fault injection: a batch)
     uint8_t* data
     fab_mr* mr                  # registration, for backends that send only registered memory
 
@@ -141,6 +145,7 @@ cdef struct ep_t:
     int err
     char error[200]
     int peer_closed
+    int opened                  # the handshake completed (it may have failed since)
     int close_sent
     uint32_t armed
     lst_t* listener
@@ -180,6 +185,8 @@ cdef struct ep_t:
     uint64_t frames_received
     uint8_t hello[56]
     fab_mr* hello_mr
+    int fault_stage_due         # fault injection: a stage reached, fires once its frame is posted
+    uint64_t fault_seq          #   ... once data slab fault_seq is posted (0: the next control slab)
     int own_regions             # registrations of the endpoint's own buffers (slabs, HELLO)
     uint64_t seq_sealed
     uint64_t seq_posted

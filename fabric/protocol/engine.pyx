@@ -85,6 +85,35 @@ cdef enum:
     FAULT_BAD_KEY = 1      # announce chunks with a forged remote key
     FAULT_BAD_RANGE = 2    # announce chunks at an address past their region
 
+# Test-only stage faults (FABRIC_FAULT_INJECT=<action>@<stage>[:<n>]): this
+# Fabric's process dies (SIGKILL, no clean-up at all) or its endpoint sends a
+# garbage fabric message at the n-th time (default 1st) one of its endpoints
+# reaches the stage. tests/test_faults.py drives every pair on every backend.
+cdef enum:
+    FA_DIE = 1
+    FA_GARBAGE = 2
+
+cdef enum:
+    FS_HELLO = 1           # instead of sending HELLO
+    FS_RNDV = 2            # once a message's first RNDV announcement was posted
+    FS_PULL = 3            # once the first read of a message was issued (receiver)
+    FS_CHUNK_DONE = 4      # once a CHUNK_DONE was posted (receiver)
+    FS_BATCH = 5           # posting a coalesced batch of 3 or more frames (garbage: its 2nd frame)
+    FS_CLOSE = 6           # once CLOSE was posted
+
+FAULT_ACTIONS = {"die": FA_DIE, "garbage": FA_GARBAGE}
+FAULT_STAGES = {"hello": FS_HELLO, "rndv": FS_RNDV, "pull": FS_PULL, "chunk_done": FS_CHUNK_DONE,
+                "batch": FS_BATCH, "close": FS_CLOSE}
+
+cdef uint8_t GARBAGE[64]
+for _i in range(64):
+    GARBAGE[_i] = (0x5A ^ (_i * 37)) & 0xFF     # never a frame: bad magic at offset 0
+
+cdef extern from "<signal.h>" nogil:
+    int kill(int pid, int sig)
+    enum:
+        SIGKILL
+
 cdef uint32_t NO_CHUNK = 0xFFFFFFFFU
 cdef size_t NATIVE_CHUNK = 1 << 30
 cdef uint64_t WAKE_KEY = 0xFFFFFFFFFFFFFFFFU
@@ -156,6 +185,7 @@ cdef slab_t* slab_get(ep_t* ep, int control) noexcept nogil:
     s.next = NULL
     s.used = 0
     s.seq = 0
+    s.frames = 0
     return s
 
 cdef inline void slab_put(ep_t* ep, slab_t* s) noexcept nogil:
@@ -205,6 +235,7 @@ cdef uint8_t* ctrl_room(ep_t* ep, size_t need) noexcept nogil:
             return NULL
         ep.ctrl = s
     s.used += need
+    s.frames += 1
     return s.data + s.used - need
 
 cdef void seal_data(ep_t* ep) noexcept nogil:
@@ -222,6 +253,7 @@ cdef uint8_t* data_room(ep_t* ep, size_t need) noexcept nogil:
         ep.seq_sealed += 1
         ep.open_data.seq = ep.seq_sealed
     ep.open_data.used += need
+    ep.open_data.frames += 1
     return ep.open_data.data + ep.open_data.used - need
 
 
@@ -257,6 +289,8 @@ cdef inline uint16_t take_credits(ep_t* ep) noexcept nogil:
 cdef int post_slab(ep_t* ep, slab_t* s) noexcept nogil:
     cdef iovec v
     cdef int rc
+    if ep.w.opts.fault_stage == FS_BATCH:
+        fault_batch(ep, s)
     set_credits(s.data, take_credits(ep))
     v.iov_base = s.data
     v.iov_len = s.used
@@ -545,6 +579,7 @@ cdef int frame_queue(ep_t* ep) noexcept nogil:
             if rc == 2:
                 op_finish(ep, op, EMSGSIZE)
                 continue
+            fault_due(ep, FS_RNDV, op.head_seq)
             op.state = OP_RNDV
             op.next = ep.rndv_out
             ep.rndv_out = op
@@ -553,6 +588,7 @@ cdef int frame_queue(ep_t* ep) noexcept nogil:
         if room != NULL:
             put_header(room, F_CLOSE, 0, 0, 0, 0, 0)
             ep.close_sent = 1
+            fault_due(ep, FS_CLOSE, ep.open_data.seq)
     return 0
 
 cdef int ep_flush(ep_t* ep) noexcept nogil:
@@ -573,6 +609,8 @@ cdef int ep_flush(ep_t* ep) noexcept nogil:
             if s != NULL:
                 if post_slab(ep, s) < 0:
                     return -1
+                if ep.fault_stage_due:
+                    fault_after_post(ep, 1)
                 continue
         if can_post_data(ep):
             s = next_to_post(&ep.ready_head, &ep.ready_tail, &ep.open_data)
@@ -580,6 +618,8 @@ cdef int ep_flush(ep_t* ep) noexcept nogil:
                 ep.seq_posted = s.seq
                 if post_slab(ep, s) < 0:
                     return -1
+                if ep.fault_stage_due:
+                    fault_after_post(ep, 0)
                 # slabs freed: queued messages may fit now
                 if frame_queue(ep) < 0:
                     return -1
@@ -678,6 +718,7 @@ cdef void chunk_done(ep_t* ep, uint64_t msg_id, uint32_t index, int failed) noex
     cdef uint8_t* room = ctrl_room(ep, FRAME_HEADER)
     if room != NULL:
         put_header(room, F_CHUNK_DONE, DONE_FAILED if failed else 0, 0, msg_id, index, 0)
+        fault_due(ep, FS_CHUNK_DONE, 0)
 
 cdef void rndv_check(ep_t* ep, inmsg_t* m) noexcept nogil:
     """A rendezvous message leaves the in-progress list when every chunk was
@@ -728,6 +769,8 @@ cdef int issue_reads(ep_t* ep, inmsg_t* m) noexcept nogil:
                 return -1
             d.reading = 1
             m.reads += 1
+            if ep.w.opts.fault_stage == FS_PULL and d.index == 0 and fault_fires(ep, FS_PULL):
+                send_garbage(ep)
         d = d.next
     return 0
 
@@ -1030,6 +1073,7 @@ cdef int on_hello(ep_t* ep, frame_t* f) noexcept nogil:
     if ep.eager_limit > cap - FRAME_HEADER:
         ep.eager_limit = cap - FRAME_HEADER
     ep.state = EP_OPEN
+    ep.opened = 1
     return 0
 
 cdef int on_fabric_msg(ep_t* ep, const uint8_t* data, size_t length) noexcept nogil:
@@ -1344,10 +1388,66 @@ cdef node_t* node_lookup(worker_t* w, uint64_t key) noexcept nogil:
         return NULL
     return w.slots[slot]
 
+cdef int fault_fires(ep_t* ep, int stage) noexcept nogil:
+    """Test-only: this stage is where the configured fault happens now."""
+    cdef opts_t* o = &ep.w.opts
+    if o.fault_stage != stage:
+        return 0
+    o.fault_count -= 1
+    if o.fault_count != 0:
+        return 0
+    if o.fault_action == FA_DIE:
+        kill(getpid(), SIGKILL)
+    return 1
+
+cdef void send_garbage(ep_t* ep) noexcept nogil:
+    """Test-only: a fabric message that is no frame at all (bad magic)."""
+    cdef iovec v
+    cdef int rc
+    v.iov_base = GARBAGE
+    v.iov_len = 64
+    ep.peer_credits -= 1
+    rc = ep.ch.ops.send(ep.ch, &v, NULL, 1, 0)      # verbs: inline, needs no registration
+    if rc == FAB_PENDING:
+        ep.pending_sends += 1
+    elif rc < 0:
+        ep_channel_failed(ep)
+
+cdef void fault_after_post(ep_t* ep, int control) noexcept nogil:
+    """Test-only: a due stage fault fires once its frame has been posted."""
+    cdef int stage = ep.fault_stage_due
+    if stage == 0:
+        return
+    if control:
+        if ep.fault_seq != 0:
+            return
+    elif ep.fault_seq == 0 or ep.seq_posted < ep.fault_seq:
+        return
+    ep.fault_stage_due = 0
+    if fault_fires(ep, stage):
+        send_garbage(ep)
+
+cdef inline void fault_due(ep_t* ep, int stage, uint64_t seq) noexcept nogil:
+    if ep.w.opts.fault_stage == stage and ep.fault_stage_due == 0:
+        ep.fault_stage_due = stage
+        ep.fault_seq = seq
+
+cdef void fault_batch(ep_t* ep, slab_t* s) noexcept nogil:
+    """Test-only: a batch of 3+ frames is about to be posted."""
+    cdef uint32_t first
+    if s.frames < 3 or not fault_fires(ep, FS_BATCH):
+        return
+    first = rd32(s.data + 4)                  # body length of the first frame
+    if FRAME_HEADER + first < s.used:
+        s.data[FRAME_HEADER + first] ^= 0xFF  # the second frame's magic
+
 cdef void send_hello(ep_t* ep) noexcept nogil:
     cdef iovec v
     cdef int rc
     cdef size_t max_recv = ep.ch.max_recv
+    if ep.w.opts.fault_stage == FS_HELLO and fault_fires(ep, FS_HELLO):
+        send_garbage(ep)          # instead of HELLO
+        return
     put_hello(ep.hello, <uint32_t>max_recv, ep.w.opts.credits, ep.w.opts.max_message)
     v.iov_base = ep.hello
     v.iov_len = FRAME_HEADER + HELLO_BODY
@@ -1467,7 +1567,10 @@ cdef void progress_listener(lst_t* l) noexcept nogil:
 
 cdef void listener_sweep(lst_t* l) noexcept nogil:
     """Move finished handshakes to the ready queue; drop failed or expired
-    ones (garbage, slow or vanished clients never reach accept())."""
+    ones (garbage, slow or vanished clients never reach accept()). A
+    connection that failed after its handshake is still handed out, like
+    an accepted socket that was reset: what its peer sent before stays
+    receivable, then the error."""
     cdef ep_t** p = &l.pending
     cdef ep_t* ep
     cdef double now = monotonic_now()
@@ -1482,7 +1585,8 @@ cdef void listener_sweep(lst_t* l) noexcept nogil:
         p[0] = ep.lst_next
         l.npending -= 1
         ep.lst_next = NULL
-        if ep.state == EP_OPEN:
+        if ep.opened:
+            ep_settle(ep)
             if l.ready_tail == NULL:
                 l.ready_head = ep
             else:
@@ -1938,6 +2042,29 @@ cdef inline double deadline_of(timeout) except? -2.0:
     return monotonic_now() + t
 
 
+cdef int parse_fault(str text, opts_t* o) except -1:
+    """FABRIC_FAULT_INJECT (tests only): bad_key, bad_range, or
+    <die|garbage>@<hello|rndv|pull|chunk_done|batch|close>[:<n>]."""
+    o.fault = o.fault_action = o.fault_stage = 0
+    o.fault_count = 1
+    if not text:
+        return 0
+    if text in ("bad_key", "bad_range"):
+        o.fault = FAULT_BAD_KEY if text == "bad_key" else FAULT_BAD_RANGE
+        return 0
+    action, at, rest = text.partition("@")
+    stage, colon, count = rest.partition(":")
+    if not at or action not in FAULT_ACTIONS or stage not in FAULT_STAGES or (colon and not count.isdigit()):
+        raise ValueError(f"FABRIC_FAULT_INJECT={text!r}: use bad_key, bad_range, or "
+                         f"<{'|'.join(FAULT_ACTIONS)}>@<{'|'.join(FAULT_STAGES)}>[:<n>]")
+    o.fault_action = FAULT_ACTIONS[action]
+    o.fault_stage = FAULT_STAGES[stage]
+    o.fault_count = int(count) if colon else 1
+    if o.fault_count < 1:
+        raise ValueError("FABRIC_FAULT_INJECT: the occurrence must be >= 1")
+    return 0
+
+
 cdef object forked_error():
     return _errors.FabricError(
         "this Fabric was created in another process: a forked child inherits its objects but not its "
@@ -1990,9 +2117,7 @@ cdef class Worker:
         # Test-only: make this Fabric announce forged keys or ranges, like a
         # broken peer would (tests/test_endpoint.py). Never set in production.
         fault = __import__("os").environ.get("FABRIC_FAULT_INJECT", "")
-        o.fault = {"": 0, "bad_key": FAULT_BAD_KEY, "bad_range": FAULT_BAD_RANGE}.get(fault, -1)
-        if o.fault < 0:
-            raise ValueError(f"FABRIC_FAULT_INJECT={fault!r}: use bad_key or bad_range")
+        parse_fault(fault, o)
         self.w.epfd = epoll_create1(EPOLL_CLOEXEC)
         self.w.wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
         self.w.notify_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
@@ -2140,6 +2265,67 @@ cdef class Worker:
         self._shutdown(self.w.opts.close_linger if linger is None else max(0.0, float(linger)), False)
         self._release_fds()
         self.reap()
+
+    def _debug_state(self):
+        """The worker's state, for diagnosing a hang (tests, tools)."""
+        cdef uint32_t i
+        cdef node_t* node
+        cdef ep_t* ep
+        cdef lst_t* l
+        cdef qlink_t* q
+        cdef fab_channel* ch
+        cdef int k, n
+        if self.w == NULL or forked(self.w):
+            return {}
+        eps = []
+        listeners = []
+        counts = {}
+        import gc
+        gc_was = gc.isenabled()
+        gc.disable()           # no finalizer may run (and take the lock) while we hold it
+        with nogil:
+            alock(self.w)
+        try:
+            for i in range(self.w.nslots):
+                node = self.w.slots[i]
+                if node == NULL:
+                    continue
+                if node.kind == KIND_LST:
+                    l = <lst_t*>node
+                    pend = []
+                    ep = l.pending
+                    while ep != NULL:
+                        pend.append((ep.state, ep.error.decode(errors="replace")))
+                        ep = ep.lst_next
+                    listeners.append({"pending": pend, "npending": l.npending,
+                                      "ready": l.ready_head != NULL})
+                else:
+                    ep = <ep_t*>node
+                    eps.append({"state": ep.state, "error": ep.error.decode(errors="replace"),
+                                "peer_credits": ep.peer_credits, "pending_sends": ep.pending_sends,
+                                "peer_closed": ep.peer_closed, "armed": ep.armed,
+                                "dirty": ep.dirty.queued, "runnable": ep.runnable.queued,
+                                "has_channel": ep.ch != NULL})
+            for k in range(3):
+                q = self.w.dirty if k == 0 else (self.w.runnable if k == 1 else self.w.touched)
+                n = 0
+                while q != NULL:
+                    n += 1
+                    q = q.next
+                counts[("dirty", "runnable", "touched")[k]] = n
+            hub_ready = 0
+            if self.w.hub != NULL:
+                ch = self.w.hub.ready
+                while ch != NULL:
+                    hub_ready += 1
+                    ch = ch.ready_next
+        finally:
+            wunlock(self.w)
+            if gc_was:
+                gc.enable()
+        return {"endpoints": eps, "listeners": listeners, "lists": counts, "hub_ready": hub_ready,
+                "polling": self.w.polling, "waiters": self.w.waiters, "in_wait": self.w.in_wait,
+                "bg_state": self.w.bg_state, "loop_polling": self.w.loop_polling, "closed": self.w.closed}
 
     def _close_begin(self):
         """aclose(): ask every endpoint to flush and say goodbye; True if all are drained."""

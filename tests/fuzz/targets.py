@@ -1,0 +1,180 @@
+"""Fuzz targets for fabric's decoders (atheris; libFuzzer drives them).
+
+    python tests/fuzz/targets.py TARGET [libFuzzer flags] [CORPUS_DIR ...]
+
+Targets:
+  frame      the engine's frame decoder (fabric.protocol.frame.decode, the
+             very C code the engine runs) on one fabric message
+  tcp        the tcp fabric's byte parser: bytes arrive on a real socket
+             at a tcp channel, which must deliver whole messages, answer
+             or refuse read requests, or fail the connection with a reason
+  handshake  a whole engine endpoint on a tcp channel, fed as the peer
+             would from the first byte: the HELLO handshake, then frames
+             (eager, rendezvous announcements, acknowledgements, credits,
+             close)
+
+Each input must end with the connection either working or failed with a
+fabric error: never a crash, never a Python exception other than the
+expected fabric ones, never memory beyond the configured bounds (checked
+after every input). tests/test_fuzz.py runs each target briefly with a fixed
+seed; tools/fuzz.py runs them for longer with a growing corpus.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if not os.environ.get("PYTHONPATH"):     # tools/fuzz.py points PYTHONPATH at its instrumented copy
+    sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+
+import fabric  # noqa: E402
+from fabric.backends import tcp as _tcp  # noqa: E402
+from fabric.protocol import frame  # noqa: E402
+
+MAX_RECV = 8192            # the tcp/handshake targets' largest fabric message
+OPTIONS = dict(eager_limit=2048, chunk_size=4096, chunks_in_flight=2, coalesce_limit=MAX_RECV,
+               credits=4, send_buffers=2, recv_budget=1 << 16, spin_us=0, spin_max_us=0,
+               progress_thread=0, handshake_timeout=5, close_linger=0, max_message=1 << 20)
+
+
+def wire(body: bytes, kind: int = 1, ident: int = 0) -> bytes:
+    """The tcp fabric's framing around one fabric message (tcp.pyx)."""
+    return struct.pack("<BBHIQ", 0xFA, kind, 0, len(body), ident) + body
+
+
+# ------------------------------------------------------------------ frame
+
+def fuzz_frame(data: bytes) -> None:
+    try:
+        frames = frame.decode(data)
+    except fabric.ProtocolError:
+        return
+    # what decodes must re-encode to the same bytes (the decoder is exact)
+    pos = 0
+    for f in frames:
+        size = frame.HEADER_SIZE + len(f["body"])
+        assert data[pos:pos + size][:frame.HEADER_SIZE] == frame.encode_header(
+            frame.TYPES[f["type"]], f["flags"], len(f["body"]), f["msg_id"], f["aux"], f["credits"])
+        pos += size
+    assert pos == len(data)
+
+
+# -------------------------------------------------------------------- tcp
+
+def fuzz_tcp(data: bytes) -> None:
+    result = _tcp._fuzz_feed(data, MAX_RECV)
+    assert result["failed"], "every input ends with the peer's EOF"
+    assert result["recv_bytes"] <= len(data)
+    assert result["queued_max"] <= _tcp.MAX_QUEUED_ANSWERS
+
+
+# -------------------------------------------------------------- handshake
+
+_fabric = None
+
+
+def _get_fabric():
+    global _fabric
+    if _fabric is None:
+        _fabric = fabric.Fabric("tcp", **OPTIONS)
+    return _fabric
+
+
+def fuzz_handshake(data: bytes) -> None:
+    """The first byte chooses how the rest is framed: raw at the socket
+    (fuzzing both layers) or cut into tcp-framed fabric messages (reaching
+    the engine's frame handlers)."""
+    fab = _get_fabric()
+    ours, theirs = socket.socketpair()
+    ep = fab._worker._attach_connected(ours.detach())
+    try:
+        theirs.setblocking(False)
+        if data and data[0] & 1:
+            payload = data[1:]
+        else:
+            # u16 length, then that many bytes, repeated: one fabric message each
+            payload = b""
+            rest = data[1:]
+            while len(rest) >= 2:
+                n = int.from_bytes(rest[:2], "little") % (MAX_RECV + 1)
+                payload += wire(rest[2:2 + n])
+                rest = rest[2 + n:]
+        try:
+            theirs.sendall(payload[:1 << 16])
+        except BlockingIOError:
+            pass
+        theirs.shutdown(socket.SHUT_WR)
+        for _ in range(64):
+            fab.progress()
+            try:
+                while True:
+                    if not theirs.recv(1 << 16):
+                        break
+            except (BlockingIOError, ConnectionError):
+                pass
+            if ep._state() < 0:
+                break
+            try:
+                m = ep.recv(timeout=0)
+                assert len(m) <= OPTIONS["max_message"]
+            except fabric.Timeout:
+                pass
+            except fabric.FabricError:
+                break
+        stats = ep.stats() if not ep.closed else None
+        if stats is not None:
+            # what a peer may make us hold: recv_budget plus what the
+            # credits it was offered can carry, plus bookkeeping
+            bound = OPTIONS["recv_budget"] + (OPTIONS["credits"] + 1) * MAX_RECV + (1 << 16)
+            assert stats["buffered_bytes"] <= bound, stats
+    finally:
+        ep.close(linger=0)
+        theirs.close()
+
+
+TARGETS = {"frame": fuzz_frame, "tcp": fuzz_tcp, "handshake": fuzz_handshake}
+
+
+def seeds(target: str) -> list[bytes]:
+    """Valid inputs to start from (the fuzzer mutates them)."""
+    hello = frame.encode_hello(MAX_RECV, 4, 1 << 20)
+    eager = frame.encode_eager(1, b"hello fabric")
+    rndv = frame.encode_rndv(2, 0, 5000, 0, 0x1000, 4096, b"\x01" * 8)
+    done = frame.encode_header(frame.TYPES["CHUNK_DONE"], 0, 0, 1, 0, 1)
+    credit = frame.encode_header(frame.TYPES["CREDIT"], 0, 0, 0, 0, 3)
+    close = frame.encode_header(frame.TYPES["CLOSE"], 0, 0, 0, 0, 0)
+    if target == "frame":
+        return [hello, eager, rndv, done, credit, close, eager + rndv + credit]
+    if target == "tcp":
+        req = struct.pack("<QQQ", 0x1000, 64, 0x1234)
+        return [wire(eager), wire(hello) + wire(eager + credit), wire(req, kind=2, ident=1),
+                wire(b"\x00" * 4, kind=4, ident=1), wire(b"x" * 64, kind=3, ident=1)]
+    # handshake: byte 0 even = tcp-framed fabric messages, each a u16 length and its bytes
+    def framed(*messages):
+        return b"\x00" + b"".join(len(m).to_bytes(2, "little") + m for m in messages)
+    return [b"\x01" + wire(hello) + wire(eager), framed(hello), framed(hello, eager),
+            framed(hello, rndv), framed(hello, eager + credit + close)]
+
+
+def main(argv):
+    import atheris
+    if len(argv) < 2 or argv[1] not in TARGETS:
+        sys.exit(f"usage: {argv[0]} {{{','.join(TARGETS)}}} [libFuzzer flags] [corpus dirs]")
+    target = TARGETS[argv[1]]
+    args = [argv[0]] + argv[2:]
+    for d in [a for a in args[1:] if not a.startswith("-")]:
+        os.makedirs(d, exist_ok=True)
+        for i, s in enumerate(seeds(argv[1])):
+            path = os.path.join(d, f"seed-{i}")
+            if not os.path.exists(path):
+                with open(path, "wb") as f:
+                    f.write(s)
+    atheris.Setup(args, target)
+    atheris.Fuzz()
+
+
+if __name__ == "__main__":
+    main(sys.argv)
