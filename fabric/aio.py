@@ -20,11 +20,60 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
+import threading
 import weakref
 
 from fabric.errors import ConnectionClosed, ConnectionLost, Timeout
 
 ANY = 0          # wait key: wake on any progress of the worker
+
+
+class _Waiters:
+    """Every coroutine waiting on one worker, whatever loop it runs in: the
+    loop that drains the worker's list of what moved may not be the one
+    whose coroutine waits for it (a Fabric shared by two threads' loops)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.by_key: dict[int, set] = {}
+
+    def add(self, key, fut):
+        with self.lock:
+            self.by_key.setdefault(key, set()).add(fut)
+
+    def discard(self, key, fut):
+        with self.lock:
+            futures = self.by_key.get(key)
+            if futures is not None:
+                futures.discard(fut)
+                if not futures:
+                    del self.by_key[key]
+
+    def take(self, keys):
+        out = []
+        with self.lock:
+            for key in keys:
+                futures = self.by_key.pop(key, None)
+                if futures:
+                    out.extend(futures)
+            futures = self.by_key.pop(ANY, None)
+            if futures:
+                out.extend(futures)
+        return out
+
+    def take_all(self):
+        with self.lock:
+            waiters, self.by_key = self.by_key, {}
+        return [f for futures in waiters.values() for f in futures]
+
+
+def _resolve(futures, loop):
+    for fut in futures:
+        fut_loop = fut.get_loop()
+        if fut_loop is loop:
+            _resolve_one(fut)
+        elif not fut_loop.is_closed():
+            fut_loop.call_soon_threadsafe(_resolve_one, fut)
 
 
 class _Driver:
@@ -33,7 +82,9 @@ class _Driver:
     def __init__(self, worker, loop):
         self.worker = worker
         self._loop = weakref.ref(loop)
-        self.waiters: dict[int, set] = {}
+        if worker.aio_waiters is None:
+            worker.aio_waiters = _Waiters()
+        self.shared = worker.aio_waiters
         self.nwaiters = 0
         self.fd = -1
         self.notify_fd = -1
@@ -48,16 +99,14 @@ class _Driver:
         try:
             keys = self.worker.poll_events()
         except Exception:
-            keys = None
+            keys = []
         if self.worker.closed:
-            self._wake_all()
+            _resolve(self.shared.take_all(), self.loop)
             self._watch(False)
             return
-        if keys:
-            self._wake(keys)
-        any_waiters = self.waiters.pop(ANY, None)
-        if any_waiters:
-            self._resolve(any_waiters)
+        futures = self.shared.take(keys)
+        if futures:
+            _resolve(futures, self.loop)
 
     def _on_notified(self):
         self.worker.drain_notify()
@@ -83,28 +132,12 @@ class _Driver:
                 self.worker.loop_watch(False)
                 self.worker._loop_detached()
 
-    @staticmethod
-    def _resolve(futures):
-        for fut in futures:
-            if not fut.done():
-                fut.set_result(None)
-
-    def _wake(self, keys):
-        waiters = self.waiters
-        for key in keys:
-            futures = waiters.pop(key, None)
-            if futures:
-                self._resolve(futures)
-
-    def _wake_all(self):
-        waiters, self.waiters = self.waiters, {}
-        for futures in waiters.values():
-            self._resolve(futures)
-
-    async def wait(self, key, deadline=None):
-        """Return after `key` (an endpoint's or listener's .key, or ANY)
-        moved, or at once if progress is possible now; raise Timeout past
-        deadline (loop time)."""
+    async def wait(self, obj, seen, deadline=None):
+        """Return after obj (an Endpoint, a Listener, or the Worker for
+        "anything") moved since its _gen was `seen` (read before the caller
+        last checked its condition: a move between that check and this wait
+        is not missed), or at once if progress is possible now; raise Timeout
+        past deadline (loop time)."""
         if self.worker.closed:
             raise ConnectionClosed("the Fabric is closed")
         if not self.worker.arm():
@@ -114,8 +147,11 @@ class _Driver:
         loop = self.loop
         if deadline is not None and loop.time() >= deadline:
             raise Timeout("operation timed out")
+        key = ANY if obj is self.worker else obj.key
         fut = loop.create_future()
-        self.waiters.setdefault(key, set()).add(fut)
+        self.shared.add(key, fut)
+        if obj._gen != seen:
+            fut.set_result(None)             # it moved while we were getting here
         self.nwaiters += 1
         self._watch(True)
         handle = None
@@ -125,11 +161,7 @@ class _Driver:
             await fut
         finally:
             self.nwaiters -= 1
-            futures = self.waiters.get(key)
-            if futures is not None:
-                futures.discard(fut)
-                if not futures:
-                    del self.waiters[key]
+            self.shared.discard(key, fut)
             if handle is not None:
                 handle.cancel()
             if not self.nwaiters:
@@ -183,10 +215,11 @@ async def recv(ep, buf=None, timeout=None):
     async with _recv_lock(ep):
         try:
             while True:
+                seen = ep._gen
                 result = ep._try_recv(buf)
                 if result is not None:
                     return result
-                await d.wait(ep.key, deadline)
+                await d.wait(ep, seen, deadline)
         except BaseException:
             ep._cancel_recv()
             raise
@@ -198,8 +231,11 @@ async def send(ep, obj, timeout=None):
     d = driver(ep.worker)
     deadline = _deadline(d.loop, timeout)
     req = ep.isend(obj)
-    while not req.done():
-        await d.wait(ep.key, deadline)
+    while True:
+        seen = ep._gen
+        if req.done():
+            break
+        await d.wait(ep, seen, deadline)
     req.wait(0)
 
 
@@ -207,8 +243,11 @@ async def wait_request(req, timeout=None):
     ep = req.endpoint
     d = driver(ep.worker)
     deadline = _deadline(d.loop, timeout)
-    while not req.done():
-        await d.wait(ep.key, deadline)
+    while True:
+        seen = ep._gen
+        if req.done():
+            break
+        await d.wait(ep, seen, deadline)
     req.wait(0)
 
 
@@ -216,10 +255,11 @@ async def accept(listener, timeout=None):
     d = driver(listener.worker)
     deadline = _deadline(d.loop, timeout)
     while True:
+        seen = listener._gen
         ep = listener._try_accept()
         if ep is not None:
             return ep
-        await d.wait(listener.key, deadline)
+        await d.wait(listener, seen, deadline)
 
 
 async def close(ep, linger=None):
@@ -233,8 +273,11 @@ async def close(ep, linger=None):
     deadline = d.loop.time() + max(0.0, linger)
     try:
         if not ep._close_begin():
-            while not ep._drained():
-                await d.wait(ep.key, deadline)
+            while True:
+                seen = ep._gen
+                if ep._drained():
+                    break
+                await d.wait(ep, seen, deadline)
     except Timeout:
         pass
     finally:
@@ -251,8 +294,11 @@ async def close_fabric(worker, linger=None):
     deadline = d.loop.time() + max(0.0, linger)
     try:
         if not worker._close_begin():
-            while not worker._all_drained():
-                await d.wait(ANY, deadline)
+            while True:
+                seen = worker._gen
+                if worker._all_drained():
+                    break
+                await d.wait(worker, seen, deadline)
     except (Timeout, ConnectionClosed):
         pass
     finally:
@@ -305,12 +351,15 @@ async def connect(worker, host, port, timeout=None):
     hs = loop.time() + float(worker.options["handshake_timeout"])
     hs_deadline = hs if deadline is None else min(hs, deadline)
     try:
-        while ep._state() == 0:
+        while True:
+            seen = ep._gen
+            ep._poll()
+            if ep._state() != 0:
+                break
             try:
-                await d.wait(ep.key, hs_deadline)
+                await d.wait(ep, seen, hs_deadline)
             except Timeout:
                 raise Timeout(f"connect to {host}:{port}: no handshake from the peer") from None
-            ep._poll()
     except BaseException:
         ep.close(linger=0)
         raise

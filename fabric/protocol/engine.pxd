@@ -124,6 +124,7 @@ cdef struct node_t:
     uint32_t slot
     uint64_t key
     qlink_t touched             # progressed since an event loop last looked (fabric.aio)
+    uint64_t gen                # bumped whenever it is touched (fabric.aio closes its wake-up race with it)
 
 cdef struct ep_t:
     node_t node
@@ -245,3 +246,4 @@ cdef struct worker_t:
     int closed                  # Fabric.close(): every call fails, waits end
     int in_wait                 # threads inside worker_wait (close waits for them to leave)
     int fork_gen                # fork generation at creation: a forked child must not use it
+    uint64_t gen                # touches of any node (fabric.aio waits on "anything moved")

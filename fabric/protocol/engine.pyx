@@ -1338,6 +1338,8 @@ cdef inline void* q_pop(qlink_t** head) noexcept nogil:
 
 cdef inline void touch(worker_t* w, node_t* node) noexcept nogil:
     """Tell an event loop that uses this worker that node moved."""
+    node.gen += 1
+    w.gen += 1
     if w.loop_attached and node.key:
         q_add(&w.touched, &node.touched)
 
@@ -2081,6 +2083,7 @@ cdef class Worker:
     cdef int fds_closed
     cdef public int loop_users      # event loops that watch fileno() (fabric.aio)
     cdef public object aio_drivers  # fabric.aio: its drivers, per loop
+    cdef public object aio_waiters  # fabric.aio: coroutines waiting on it, all loops
     cdef object __weakref__
 
     def __cinit__(self, Backend backend not None, dict options not None):
@@ -2172,6 +2175,10 @@ cdef class Worker:
     @property
     def closed(self):
         return self.w == NULL or self.w.closed != 0
+
+    @property
+    def _gen(self):
+        return self.w.gen if self.w != NULL else 0
 
     cdef void _stop_thread(self):
         cdef uint64_t one = 1
@@ -3343,6 +3350,12 @@ cdef class Endpoint:
                 wunlock(self.w)
         self._drop_async_view()
 
+    @property
+    def _gen(self):
+        """fabric.aio: bumped whenever this endpoint moves (read before a
+        check, compared after registering to wait: no wake-up is lost)."""
+        return self.ep.node.gen if self.ep != NULL else 0
+
     def _state(self):
         """fabric.aio: 0 while the handshake runs, 1 when open, -1 once failed."""
         if self.ep == NULL or self.ep.closed:
@@ -3508,6 +3521,10 @@ cdef class Listener:
     @property
     def closed(self):
         return self.l == NULL or self.l.closed != 0
+
+    @property
+    def _gen(self):
+        return self.l.node.gen if self.l != NULL else 0
 
     cdef ep_t* _pop_ready(self) noexcept nogil:
         cdef ep_t* ep = self.l.ready_head
