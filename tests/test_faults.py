@@ -91,6 +91,30 @@ def test_fault_before_hello_client(backend_name, victim, peer_factory, action):
 
 
 @pytest.mark.timeout(90)
+def test_silent_and_abandoned_handshakes_do_not_block_the_listener(backend_name, victim):
+    """Clients that connect and never speak (or vanish mid-bootstrap) are
+    dropped after handshake_timeout; meanwhile the listener serves others."""
+    import socket
+    fab, lst = victim
+    host, port = lst.address.rsplit(":", 1)
+    silent = [socket.create_connection((host, int(port))) for _ in range(20)]
+    abandoned = socket.create_connection((host, int(port)))
+    abandoned.sendall(b"\x00" * 7)          # a few bytes of nothing, then gone
+    abandoned.close()
+    still_serves(fab, lst, backend_name)     # at once, not after the timeout
+    for s in silent:                         # dropped once handshake_timeout (3 s) passed
+        s.settimeout(HANG)
+        try:
+            assert s.recv(65536) is not None
+            while s.recv(65536):
+                pass
+        except ConnectionResetError:
+            pass
+        s.close()
+    still_serves(fab, lst, backend_name)
+
+
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize("action", ACTIONS)
 def test_fault_before_hello_server(backend_name, victim, peer_factory, action):
     """Connecting to a server that dies or talks garbage instead of HELLO
