@@ -110,16 +110,38 @@ class Tally:
         self.messages = 0
         self.bytes = 0
         self.violations = []
+        self.last = time.monotonic()
+        self.stalls = []
 
     def add(self, n):
         with self.lock:
             self.messages += 1
             self.bytes += n
+            self.last = time.monotonic()
 
     def violation(self, text):
         with self.lock:
             if len(self.violations) < 50:
                 self.violations.append(text)
+
+
+def guarded(target, tally, name):
+    """A worker whose exception (a timeout: something hung) is a violation."""
+    def run(*args):
+        try:
+            target(*args)
+        except Exception as e:      # noqa: BLE001 - reported as a violation
+            tally.violation(f"{name}: {type(e).__name__}: {e}")
+    return run
+
+
+def watchdog(fab, tally, stop, name, quiet=20.0):
+    """Record the engine's state when nothing completed for `quiet` seconds."""
+    while not stop.wait(1.0):
+        if time.monotonic() - tally.last > quiet and len(tally.stalls) < 3:
+            tally.stalls.append({"who": name, "at_messages": tally.messages,
+                                 "state": fab._worker._debug_state()})
+            tally.last = time.monotonic()
 
 
 class BigGate:
@@ -217,9 +239,13 @@ def serve(backend, connections, threads, max_size):
     workers = []
     for i, g in enumerate(groups):
         target = server_sync if i % 2 == 0 else server_async
-        workers.append(threading.Thread(target=target, args=(g, tally, 100 + i, max_size, pool)))
+        workers.append(threading.Thread(target=guarded(target, tally, f"server {target.__name__} {i}"),
+                                        args=(g, tally, 100 + i, max_size, pool)))
     for w in workers:
         w.start()
+    dog_stop = threading.Event()
+    dog = threading.Thread(target=watchdog, args=(fab, tally, dog_stop, "server"), daemon=True)
+    dog.start()
     buffered_max = 0
     while any(w.is_alive() for w in workers):
         buffered = 0
@@ -233,12 +259,14 @@ def serve(backend, connections, threads, max_size):
         time.sleep(0.05)
     for w in workers:
         w.join()
+    dog_stop.set()
     for g in groups:
         for _, ep in g:
             ep.close()
     fab.close()
     print(json.dumps({"messages": tally.messages, "bytes": tally.bytes, "violations": tally.violations,
-                      "peak_rss": peak_rss_bytes(), "buffered_max": buffered_max}), flush=True)
+                      "peak_rss": peak_rss_bytes(), "buffered_max": buffered_max,
+                      "stalls": tally.stalls}), flush=True)
 
 
 # ------------------------------------------------------------------ client
@@ -337,10 +365,13 @@ def run(backend="tcp", connections=256, threads=4, duration=60.0, max_size=64 <<
         workers = []
         for i, g in enumerate(groups):
             target = client_sync if i % 2 == 0 else client_async
-            workers.append(threading.Thread(target=target, args=(g, tally, 10 + i, max_size, pool, stop, gate)))
+            workers.append(threading.Thread(target=guarded(target, tally, f"client {target.__name__} {i}"),
+                                            args=(g, tally, 10 + i, max_size, pool, stop, gate)))
         t0 = time.monotonic()
         for w in workers:
             w.start()
+        dog_stop = threading.Event()
+        threading.Thread(target=watchdog, args=(fab, tally, dog_stop, "client"), daemon=True).start()
         errors = []
         deadline = t0 + duration
         while time.monotonic() < deadline and all(w.is_alive() for w in workers):
@@ -350,6 +381,7 @@ def run(backend="tcp", connections=256, threads=4, duration=60.0, max_size=64 <<
             w.join(300)
             if w.is_alive():
                 errors.append("a worker thread did not finish (hang)")
+        dog_stop.set()
         elapsed = time.monotonic() - t0
         regions = sum(ep.stats()["registered_regions"] for g in groups for _, ep in g if not ep.closed)
         for g in groups:
@@ -369,6 +401,7 @@ def run(backend="tcp", connections=256, threads=4, duration=60.0, max_size=64 <<
             "messages": tally.messages + server_report["messages"],
             "bytes": tally.bytes + server_report["bytes"],
             "violations": tally.violations + server_report["violations"] + errors,
+            "stalls": tally.stalls + server_report.get("stalls", []),
             "registered_regions_at_end": regions,
             "domain_refs": [refs0, refs_after],
             "peak_rss_client": peak_rss_bytes(), "peak_rss_server": server_report["peak_rss"],

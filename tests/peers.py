@@ -108,6 +108,20 @@ def big_receiver(backend, size):
     time.sleep(60)
 
 
+def count_then_signal(backend, count):
+    """Accept two connections; once `count` messages arrived on the first,
+    say so on the second (the sender waits on the second meanwhile)."""
+    fab = fabric.Fabric(backend, **SMALL)
+    lst = fab.listen("127.0.0.1:0")
+    say(lst.address)
+    data = lst.accept(timeout=60)
+    signal = lst.accept(timeout=60)
+    for _ in range(int(count)):
+        data.recv(timeout=60)
+    signal.send(b"got all")
+    signal.recv(timeout=60)
+
+
 def accept_many(backend, count):
     """Accept `count` connections with plain accept(), echo one message on
     each, then report how many were served."""

@@ -263,6 +263,8 @@ def test_forked_child_gets_a_clear_error_and_can_make_its_own_fabric(backend_nam
     report_address = report_lst.address
     pid = os.fork()
     if pid == 0:
+        import faulthandler
+        faulthandler.dump_traceback_later(15, exit=True)     # a hang says where
         problems = []
         for what, call in [("send", lambda: ep.send(b"child")), ("recv", lambda: peer.recv(timeout=0)),
                            ("listen", fab.listen), ("accept", lambda: lst.accept(timeout=0)),

@@ -256,3 +256,32 @@ def test_sync_and_async_users_of_one_fabric_at_once(backend_name):
     assert not errors, errors
     fab.close()
     other.close()
+
+
+@pytest.mark.timeout(90)
+def test_queued_sends_flush_while_the_sender_waits_elsewhere(backend_name, peer_factory):
+    """Sends left queued by isend (a full socket, no credits) must go out while
+    the sending thread blocks on another endpoint: the engine re-arms every
+    endpoint an operation touched, not only the one being waited on."""
+    import signal as signals
+    import json
+    n = 300
+    # many credits and large eager messages: more in flight than the socket buffers hold
+    big = dict(credits=256, eager_limit=65536, coalesce_limit=69632, recv_budget=64 << 20)
+    peer = peer_factory("count_then_signal", n, backend=backend_name,
+                        env={"FABRIC_TEST_OPTIONS": json.dumps(big)})
+    fab = fabric.Fabric(backend_name, **small_options(**big))
+    data = fab.connect(peer.first_line, timeout=30)
+    signal = fab.connect(peer.first_line, timeout=30)
+    peer.proc.send_signal(signals.SIGSTOP)         # the peer stops reading: our side fills up
+    try:
+        payload = os.urandom(65536)
+        reqs = [data.isend(payload) for _ in range(n)]
+    finally:
+        peer.proc.send_signal(signals.SIGCONT)
+    assert bytes(signal.recv(timeout=60)) == b"got all"
+    for r in reqs:
+        r.wait(timeout=30)
+    signal.send(b"bye")
+    fab.close()
+

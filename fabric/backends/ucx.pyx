@@ -299,6 +299,7 @@ cdef ucx_chan* domain_find(ucx_domain* d, uint64_t key) noexcept nogil:
 cdef class UcxDomain:
     """One UCP context and worker, kept alive by its Fabric."""
     cdef ucx_domain* d
+    cdef int pid
 
     def __dealloc__(self):
         self.close()
@@ -306,9 +307,13 @@ cdef class UcxDomain:
     def close(self):
         """The Fabric is closing (its channels and listeners are closed):
         give up on requests zombie channels still wait for and release the
-        context once nothing else holds it. Idempotent."""
+        context once nothing else holds it. Idempotent. In a forked child it
+        only forgets the parent's context (UCX cannot run there)."""
         cdef ucx_domain* d = self.d
         if d == NULL:
+            return
+        if self.pid != os.getpid():
+            self.d = NULL
             return
         self.d = NULL
         with nogil:
@@ -1144,6 +1149,7 @@ cdef class UcxBackend(Backend):
         d.refs = 1
         d.peer_errors = not shared_memory_only(os.environ.get("UCX_TLS", ""))
         dom.d = d
+        dom.pid = os.getpid()
         if ucp_worker_get_efd(d.worker, &d.efd) != UCS_OK:
             raise OSError("UCX worker has no event fd")
         d.hub.fd = d.efd

@@ -221,14 +221,17 @@ cdef int vb_hub_arm(fab_hub* hub) noexcept nogil:
 
 cdef class VerbsDomain:
     cdef vb_domain* d
+    cdef int pid
 
     def __dealloc__(self):
         self.close()
 
     def close(self):
-        """Drop the Fabric's reference (the device goes with the last channel)."""
+        """Drop the Fabric's reference (the device goes with the last channel).
+        In a forked child it only forgets the parent's device."""
         if self.d != NULL:
-            domain_unref(self.d)
+            if self.pid == os.getpid():
+                domain_unref(self.d)
             self.d = NULL
 
     @property
@@ -745,6 +748,7 @@ cdef class VerbsBackend(Backend):
         d.gid_index = gid_index
         d.refs = 1
         dom.d = d
+        dom.pid = os.getpid()
         rc = fab_ib_port(d.ctx, port, gid_index, d.gid, &d.lid, &d.active_mtu, &d.is_eth, &d.max_rd_atomic)
         if rc != 0:
             raise OSError(rc, f"cannot query {dev} port {port} GID {gid_index}")

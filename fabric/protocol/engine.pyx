@@ -600,6 +600,9 @@ cdef int ep_flush(ep_t* ep) noexcept nogil:
     cdef uint32_t threshold
     if ep.state != EP_OPEN:
         return 0
+    # whatever this posts may leave the channel wanting other events (a
+    # full socket: EPOLLOUT): it must be re-armed before anyone blocks
+    q_add(&ep.w.dirty, &ep.dirty)
     if frame_queue(ep) < 0:
         return -1
     while True:
@@ -816,6 +819,8 @@ cdef void ep_deliver(ep_t* ep) noexcept nogil:
     """Match the head message to the posted receive, in order; then return
     the credits that freed (the peer may be waiting for them)."""
     cdef uint32_t before = ep.c2r
+    if ep.state == EP_OPEN:
+        q_add(&ep.w.dirty, &ep.dirty)     # binding a message starts reads (see ep_flush)
     match_posted(ep)
     if ep.c2r != before and ep.state == EP_OPEN:
         ep_flush(ep)
@@ -2281,6 +2286,8 @@ cdef class Worker:
         cdef lst_t* l
         cdef qlink_t* q
         cdef fab_channel* ch
+        cdef inmsg_t* m
+        cdef sendop_t* op
         cdef int k, n
         if self.w == NULL or forked(self.w):
             return {}
@@ -2308,11 +2315,25 @@ cdef class Worker:
                                       "ready": l.ready_head != NULL})
                 else:
                     ep = <ep_t*>node
+                    n = 0
+                    m = ep.inq_head
+                    while m != NULL:
+                        n += 1
+                        m = m.next
+                    k = 0
+                    op = ep.sendq_head
+                    while op != NULL:
+                        k += 1
+                        op = op.next
                     eps.append({"state": ep.state, "error": ep.error.decode(errors="replace"),
                                 "peer_credits": ep.peer_credits, "pending_sends": ep.pending_sends,
                                 "peer_closed": ep.peer_closed, "armed": ep.armed,
                                 "dirty": ep.dirty.queued, "runnable": ep.runnable.queued,
-                                "has_channel": ep.ch != NULL})
+                                "has_channel": ep.ch != NULL, "inq": n, "sendq": k,
+                                "rndv_out": ep.rndv_out != NULL, "rndv_in": ep.rndv_in != NULL,
+                                "posted": (ep.posted.active, ep.posted.done), "buffered": ep.inbuf_bytes,
+                                "held": ep.held, "c2r": ep.c2r, "gen": ep.node.gen,
+                                "fabric_recvs": ep.fabric_recvs, "fabric_sends": ep.fabric_sends})
             for k in range(3):
                 q = self.w.dirty if k == 0 else (self.w.runnable if k == 1 else self.w.touched)
                 n = 0
