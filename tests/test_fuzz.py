@@ -17,6 +17,9 @@ import fuzz  # noqa: E402
 
 # runs per target: a few seconds each on this machine
 RUNS = {"frame": 150000, "tcp": 40000, "handshake": 20000}
+# coverage edges the committed corpus reaches (measured: 281, 188, 512; the
+# Python harness alone has a few dozen): the instrumented copy is in use
+MIN_EDGES = {"frame": 200, "tcp": 130, "handshake": 350}
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +37,5 @@ def test_fuzz_target_short_seeded_run(instrumented, target, tmp_path):
     assert rc == 0, out[-6000:]
     executed = re.search(r"stat::number_of_executed_units:\s*(\d+)", out)
     assert executed and int(executed.group(1)) >= RUNS[target] // 2, out[-3000:]
-    # coverage feedback reached the Cython code (not only the Python harness)
-    added = re.search(r"stat::new_units_added:\s*(\d+)", out)
-    assert added and int(added.group(1)) > 10, out[-3000:]
+    cov = re.findall(r"cov: (\d+)", out)
+    assert cov and int(cov[-1]) >= MIN_EDGES[target], out[-3000:]
