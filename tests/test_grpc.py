@@ -283,6 +283,24 @@ def test_futures_and_with_call(d):
 
 
 @pytest.mark.timeout(60)
+def test_a_finished_future_has_its_response(d):
+    # a done callback runs the moment the call finishes: the response must be
+    # stored by then (the call used to finish OK first, result() gave None)
+    seen, done = [], threading.Event()
+
+    def on_done(f):
+        seen.append(f.result())
+        if len(seen) == 16:
+            done.set()
+    fs = [d.stub.UnaryCall.future(pb.SimpleRequest(response_size=i), timeout=20) for i in range(16)]
+    for f in fs:
+        f.add_done_callback(on_done)
+    assert done.wait(30)
+    assert sorted(len(r.payload.body) for r in seen) == list(range(16))
+    assert [len(f.result(timeout=1).payload.body) for f in fs] == list(range(16))
+
+
+@pytest.mark.timeout(60)
 def test_one_server_on_plain_tcp_and_a_fabric_address_at_once():
     servicer = servicer_class()()
     server = fgrpc.server(futures.ThreadPoolExecutor(8))

@@ -103,6 +103,11 @@ class _Call(grpc.Call, grpc.Future):
         self._state_lock = threading.Lock()
         self._done = threading.Event()
         self._result = None
+        # a unary response taken off the stream but not yet stored in
+        # _result: the call may not be finished OK (result() would see None)
+        self._holding = False
+        self._unary = False          # one response expected: OK without it is INTERNAL
+        self._got_response = False
         self._stream = None
         self._conn = None
         self._wait_for_ready = wait_for_ready
@@ -229,7 +234,7 @@ class _Call(grpc.Call, grpc.Future):
             return
         with s.cond:
             failure, reset, ended, trailers, headers = s.failure, s.reset_code, s.ended, s.trailers, s.headers
-            pending = bool(s.messages)
+            pending = bool(s.messages) or self._holding
         if failure is not None:
             if isinstance(failure, _wire.WireError):
                 self._abort(failure.code, failure.details)
@@ -255,10 +260,14 @@ class _Call(grpc.Call, grpc.Future):
             return
         tr = dict(trailers or ())
         code, details = _wire.status_of(tr)
+        if code == grpc.StatusCode.OK and self._unary and not self._got_response:
+            code, details = grpc.StatusCode.INTERNAL, "No message returned for unary call"
         self._finish(code, details, trailing=_wire.headers_to_metadata(trailers or ()))
 
-    def _next_message(self):
-        """The next response message, or None when the call is over."""
+    def _next_message(self, hold=False):
+        """The next response message, or None when the call is over. With
+        hold, the call cannot finish until _release() (the caller stores the
+        response first)."""
         s = self._stream
         if s is None:
             return None
@@ -267,6 +276,7 @@ class _Call(grpc.Call, grpc.Future):
             self._capture_initial(s)
             if s.messages and self._code is None:
                 msg = s.take_message()
+                self._holding = hold
             else:
                 msg = None
         if msg is not None:
@@ -276,6 +286,13 @@ class _Call(grpc.Call, grpc.Future):
             self._on_deadline()
         self._settle()
         return None
+
+    def _release(self):
+        s = self._stream
+        with s.cond:
+            self._holding = False
+            s.cond.notify_all()
+        self._settle()
 
     def _capture_initial(self, s):
         """(stream lock held) Initial metadata once the response headers are
@@ -299,7 +316,7 @@ class _Call(grpc.Call, grpc.Future):
             if s is None:
                 break
             with s.cond:
-                ok = s.wait(lambda: s.ended or self._code is not None,
+                ok = s.wait(lambda: (s.ended and not self._holding) or self._code is not None,
                             min(x for x in (deadline, self._deadline) if x is not None)
                             if deadline or self._deadline else None)
             self._settle()
@@ -315,14 +332,17 @@ class _Call(grpc.Call, grpc.Future):
 
     def _unary_response(self):
         """Wait for the single response of a unary-response call."""
-        msg = self._next_message()
+        msg = self._next_message(hold=True)
         if msg is None:
             if self._code is None:
                 self._wait_done()
-            if self._code == grpc.StatusCode.OK:
-                self._abort(grpc.StatusCode.INTERNAL, "No message returned for unary call")
             raise self._error()
-        response = self._deserialize_message(msg)
+        try:
+            self._result = self._deserialize_message(msg)
+            self._got_response = True
+        finally:
+            self._release()
+        response = self._result
         extra = self._next_message()
         if extra is not None:
             self._abort(grpc.StatusCode.INTERNAL, "Too many responses for unary call")
@@ -442,11 +462,17 @@ class _MultiCallable:
         self._serialize = request_serializer
         self._deserialize = response_deserializer
 
+    _unary_response = False
+
     def _new_call(self, timeout, metadata, wait_for_ready):
-        return _Call(self._channel, self._method, self._deserialize, timeout, metadata, wait_for_ready)
+        call = _Call(self._channel, self._method, self._deserialize, timeout, metadata, wait_for_ready)
+        call._unary = self._unary_response
+        return call
 
 
 class UnaryUnaryMultiCallable(_MultiCallable, grpc.UnaryUnaryMultiCallable):
+    _unary_response = True
+
     def _invoke(self, request, timeout, metadata, wait_for_ready):
         call = self._new_call(timeout, metadata, wait_for_ready)
         call._start_unary(request, self._serialize)
@@ -487,6 +513,8 @@ class UnaryStreamMultiCallable(_MultiCallable, grpc.UnaryStreamMultiCallable):
 
 
 class StreamUnaryMultiCallable(_MultiCallable, grpc.StreamUnaryMultiCallable):
+    _unary_response = True
+
     def _invoke(self, request_iterator, timeout, metadata, wait_for_ready):
         call = self._new_call(timeout, metadata, wait_for_ready)
         if call._start(end_stream=False):
