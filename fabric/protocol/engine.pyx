@@ -2079,6 +2079,11 @@ cdef object forked_error():
         "'forkserver' start method of multiprocessing)")
 
 
+# The cycle collector must not clear a Worker's attributes: cleared first, its
+# domain (UCX worker, verbs context) would be released while its progress
+# thread and endpoints still drive it (use after free, seen as UCX reading
+# closed descriptors). Its cycles break through its dicts and lists instead.
+@cython.no_gc_clear
 cdef class Worker:
     """Progress context of one Fabric: a lock, an epoll set, the knobs."""
     cdef worker_t* w
