@@ -111,6 +111,7 @@ class _Call(grpc.Call, grpc.Future):
         self._stream = None
         self._conn = None
         self._wait_for_ready = wait_for_ready
+        self._encoding = None            # grpc-encoding of our requests (None: identity)
 
     # -- starting
     def _start_unary(self, request, serializer):
@@ -127,7 +128,9 @@ class _Call(grpc.Call, grpc.Future):
         headers = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", self._method.encode()),
                    (b":authority", self._channel._authority), (b"te", b"trailers"),
                    (b"content-type", _wire.CONTENT_TYPE), (b"user-agent", USER_AGENT),
-                   (b"grpc-accept-encoding", b"identity")]
+                   (b"grpc-accept-encoding", _wire.ACCEPT_ENCODING)]
+        if self._encoding not in (None, "identity"):
+            headers.append((b"grpc-encoding", self._encoding.encode()))
         if self._timeout is not None:
             headers.append((b"grpc-timeout", _wire.encode_timeout(max(self._deadline - time.monotonic(), 0))))
         try:
@@ -197,7 +200,8 @@ class _Call(grpc.Call, grpc.Future):
                         f"Sent message larger than max ({n} vs. {max_send})")
             return False
         try:
-            self._conn.send_message(self._stream, data, end_stream=end_stream, deadline=self._deadline)
+            self._conn.send_message(self._stream, data, end_stream=end_stream, deadline=self._deadline,
+                                    encoding=self._encoding)
         except TimeoutError:
             self._abort(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
             return False
@@ -464,17 +468,19 @@ class _MultiCallable:
 
     _unary_response = False
 
-    def _new_call(self, timeout, metadata, wait_for_ready):
+    def _new_call(self, timeout, metadata, wait_for_ready, compression=None):
         call = _Call(self._channel, self._method, self._deserialize, timeout, metadata, wait_for_ready)
         call._unary = self._unary_response
+        call._encoding = (self._channel._encoding if compression is None
+                          else _wire.encoding_of(compression))
         return call
 
 
 class UnaryUnaryMultiCallable(_MultiCallable, grpc.UnaryUnaryMultiCallable):
     _unary_response = True
 
-    def _invoke(self, request, timeout, metadata, wait_for_ready):
-        call = self._new_call(timeout, metadata, wait_for_ready)
+    def _invoke(self, request, timeout, metadata, wait_for_ready, compression):
+        call = self._new_call(timeout, metadata, wait_for_ready, compression)
         call._start_unary(request, self._serialize)
         return call
 
@@ -484,14 +490,14 @@ class UnaryUnaryMultiCallable(_MultiCallable, grpc.UnaryUnaryMultiCallable):
 
     def with_call(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
                   compression=None):
-        call = self._invoke(request, timeout, metadata, wait_for_ready)
+        call = self._invoke(request, timeout, metadata, wait_for_ready, compression)
         if call._code is not None:
             raise call._error()
         return call._unary_response(), call
 
     def future(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
                compression=None):
-        call = self._invoke(request, timeout, metadata, wait_for_ready)
+        call = self._invoke(request, timeout, metadata, wait_for_ready, compression)
         if call._code is None:
             self._channel._pool.submit(_complete_unary, call)
         return call
@@ -507,7 +513,7 @@ def _complete_unary(call):
 class UnaryStreamMultiCallable(_MultiCallable, grpc.UnaryStreamMultiCallable):
     def __call__(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
                  compression=None):
-        call = self._new_call(timeout, metadata, wait_for_ready)
+        call = self._new_call(timeout, metadata, wait_for_ready, compression)
         call._start_unary(request, self._serialize)
         return call
 
@@ -515,8 +521,8 @@ class UnaryStreamMultiCallable(_MultiCallable, grpc.UnaryStreamMultiCallable):
 class StreamUnaryMultiCallable(_MultiCallable, grpc.StreamUnaryMultiCallable):
     _unary_response = True
 
-    def _invoke(self, request_iterator, timeout, metadata, wait_for_ready):
-        call = self._new_call(timeout, metadata, wait_for_ready)
+    def _invoke(self, request_iterator, timeout, metadata, wait_for_ready, compression):
+        call = self._new_call(timeout, metadata, wait_for_ready, compression)
         if call._start(end_stream=False):
             threading.Thread(target=call._consume_requests, args=(request_iterator, self._serialize),
                              daemon=True, name="fabric-grpc-requests").start()
@@ -529,14 +535,14 @@ class StreamUnaryMultiCallable(_MultiCallable, grpc.StreamUnaryMultiCallable):
 
     def with_call(self, request_iterator, timeout=None, metadata=None, credentials=None,
                   wait_for_ready=None, compression=None):
-        call = self._invoke(request_iterator, timeout, metadata, wait_for_ready)
+        call = self._invoke(request_iterator, timeout, metadata, wait_for_ready, compression)
         if call._code is not None:
             raise call._error()
         return call._unary_response(), call
 
     def future(self, request_iterator, timeout=None, metadata=None, credentials=None,
                wait_for_ready=None, compression=None):
-        call = self._invoke(request_iterator, timeout, metadata, wait_for_ready)
+        call = self._invoke(request_iterator, timeout, metadata, wait_for_ready, compression)
         if call._code is None:
             self._channel._pool.submit(_complete_unary, call)
         return call
@@ -545,7 +551,7 @@ class StreamUnaryMultiCallable(_MultiCallable, grpc.StreamUnaryMultiCallable):
 class StreamStreamMultiCallable(_MultiCallable, grpc.StreamStreamMultiCallable):
     def __call__(self, request_iterator, timeout=None, metadata=None, credentials=None,
                  wait_for_ready=None, compression=None):
-        call = self._new_call(timeout, metadata, wait_for_ready)
+        call = self._new_call(timeout, metadata, wait_for_ready, compression)
         if call._start(end_stream=False):
             threading.Thread(target=call._consume_requests, args=(request_iterator, self._serialize),
                              daemon=True, name="fabric-grpc-requests").start()
@@ -601,7 +607,9 @@ class Channel(grpc.Channel):
     fabric+<backend>://host:port (tcp, ucx, verbs; fabric://host:port picks
     the backend as fabric.Fabric does). Options understood:
     grpc.max_send_message_length (default unlimited), grpc.max_receive_message_length
-    (default 4 MiB), grpc.default_authority; others are accepted and ignored.
+    (default 4 MiB), grpc.default_authority, grpc.default_compression_algorithm
+    (a grpc.Compression value, as the compression argument); others are
+    accepted and ignored.
     """
 
     def __init__(self, target: str, options=None, compression=None, fabric=None):
@@ -613,6 +621,8 @@ class Channel(grpc.Channel):
         self._max_receive = int(opts.get("grpc.max_receive_message_length", _wire.DEFAULT_MAX_RECEIVE))
         backend, host, port = _transport.parse_target(target)
         self._authority = str(opts.get("grpc.default_authority", f"{host}:{port}")).encode()
+        self._encoding = _wire.encoding_of(compression if compression is not None
+                                           else opts.get("grpc.default_compression_algorithm"))
         self._conn = None
         self._conn_lock = threading.Lock()
         self._closed = False

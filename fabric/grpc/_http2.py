@@ -176,6 +176,13 @@ class _Own:
 MAX_DETACHED_WRITES = 4                  # large writes in flight per connection (sender pipelining)
 
 
+def _encoding_header(headers):
+    for k, v in headers:
+        if k == b"grpc-encoding":
+            return v.decode("ascii", "replace")
+    return None
+
+
 class ConnectionFailed(Exception):
     """The HTTP/2 connection (or its byte stream) is gone."""
 
@@ -198,6 +205,8 @@ class CallStream:
         self.assembler = _wire.MessageAssembler(max_receive)
         self.on_event = None                # optional callback(CallStream), called without the lock
         self.local_closed = False
+        self.peer_done = False              # the peer ended the call (trailers) and reset it with
+                                            # NO_ERROR: our sends stop, the call succeeded (RFC 9113 8.1)
 
     # -- receive side (application threads)
     def wait(self, predicate, deadline: float | None) -> bool:
@@ -397,6 +406,9 @@ class Connection:
     def _check_alive(self):
         if self.dead is not None:
             raise ConnectionFailed(self.dead)
+        if self.h2.state_machine.state == h2.connection.ConnectionState.CLOSED:
+            # close() sent GOAWAY; the connection is not failed yet
+            raise ConnectionFailed("the connection is closing")
 
     def open_call(self, headers, end_stream: bool = False) -> CallStream:
         """Client: a new stream with its request headers sent."""
@@ -428,22 +440,31 @@ class Connection:
 
     def _check_call(self, call: CallStream):
         self._check_alive()
+        if call.peer_done:
+            raise ConnectionFailed(f"stream {call.id} was ended by the peer")
         if call.reset_code is not None:
             raise ConnectionFailed(f"stream {call.id} was reset ({call.reset_code})")
         if call.local_closed:
             raise ConnectionFailed(f"stream {call.id} is already closed for sending")
 
     def send_message(self, call: CallStream, payload, end_stream: bool = False,
-                     deadline: float | None = None) -> None:
-        """A length-prefixed gRPC message, cut to the peer's windows and frame size."""
+                     deadline: float | None = None, encoding: str | None = None) -> None:
+        """A length-prefixed gRPC message, cut to the peer's windows and frame
+        size; compressed with encoding (gzip, deflate) when that makes it smaller."""
         view = memoryview(payload).cast("B")
+        compressed = False
+        if encoding is not None and encoding != "identity" and view.nbytes:
+            packed = _wire.compress(view, encoding)
+            if len(packed) < view.nbytes:
+                payload, view, compressed = packed, memoryview(packed), True
         if view.nbytes >= FAST_DATA_MIN and self.fast_data:
-            self._send_large(call, view, end_stream, deadline, detached=type(payload) is bytes)
+            self._send_large(call, view, end_stream, deadline, detached=type(payload) is bytes,
+                             compressed=compressed)
             return
         if view.nbytes <= SMALL_MESSAGE:
-            pieces = [memoryview(_wire.prefix(view.nbytes) + view.tobytes())]    # one DATA frame
+            pieces = [memoryview(_wire.prefix(view.nbytes, compressed) + view.tobytes())]    # one DATA frame
         else:
-            pieces = [memoryview(_wire.prefix(view.nbytes)), view]
+            pieces = [memoryview(_wire.prefix(view.nbytes, compressed)), view]
         for i, piece in enumerate(pieces):
             last = i == len(pieces) - 1
             while True:
@@ -493,7 +514,8 @@ class Connection:
     def _await_window(self, call: CallStream, deadline) -> bool:
         """(lock held) Wait for send window on call (or its end); False on deadline."""
         def ready():
-            if self.dead is not None or call.reset_code is not None or call.failure is not None:
+            if self.dead is not None or call.reset_code is not None or call.failure is not None \
+                    or call.peer_done:
                 return True
             try:
                 return self.h2.local_flow_control_window(call.id) > 0
@@ -502,7 +524,7 @@ class Connection:
         return self.await_(ready, deadline)
 
     def _send_large(self, call: CallStream, view: memoryview, end_stream: bool, deadline,
-                    detached: bool = False) -> None:
+                    detached: bool = False, compressed: bool = False) -> None:
         """DATA frames written by us, straight from the caller's buffer: each
         frame's header (with the message prefix in the first) is one stream
         write and its payload another, so the fabric moves the payload by
@@ -510,13 +532,14 @@ class Connection:
         exactly as its own send_data would."""
         from h2.connection import ConnectionInputs
         from h2.stream import StreamInputs
-        prefix = _wire.prefix(view.nbytes)
+        prefix = _wire.prefix(view.nbytes, compressed)
         first = True
         while view.nbytes or first:
             with self.lock:
                 window = self._window(call, deadline)
                 while window and first and min(window, self.h2.max_outbound_frame_size) < len(prefix):
-                    if not self.await_(lambda: self.dead is not None or call.reset_code is not None or min(
+                    if not self.await_(lambda: self.dead is not None or call.reset_code is not None
+                                       or call.peer_done or min(
                             self.h2.local_flow_control_window(call.id), self.h2.max_outbound_frame_size)
                             >= len(prefix), deadline):
                         raise TimeoutError("deadline exceeded while waiting for flow control")
@@ -661,7 +684,8 @@ class Connection:
             callbacks = []
             self._notify(call, callbacks)
         if failure is not None:
-            self.reset(call, h2.errors.ErrorCodes.CANCEL)
+            if self.client_side:
+                self.reset(call, h2.errors.ErrorCodes.CANCEL)
             # the rest of this frame's payload is still on the stream: drop it
             while left:
                 if len(rest):
@@ -712,13 +736,16 @@ class Connection:
                     call.queued_bytes += len(msg)
             except _wire.WireError as e:
                 call.failure = e
-                callbacks.append(lambda c=call: self.reset(c, h2.errors.ErrorCodes.CANCEL))
+                if self.client_side:
+                    callbacks.append(lambda c=call: self.reset(c, h2.errors.ErrorCodes.CANCEL))
+                # a server ends the call with the status (its trailers), then resets
             if call.queued_bytes <= QUEUED_HIGH_WATER:
                 self.ack(call)
             self._notify(call, callbacks)
         elif isinstance(ev, E.RequestReceived):
             call = CallStream(self, ev.stream_id, self.max_receive)
             call.headers = ev.headers
+            call.assembler.encoding = _encoding_header(ev.headers)
             self.calls[ev.stream_id] = call
             if ev.stream_ended is not None:
                 call.ended = True
@@ -728,6 +755,7 @@ class Connection:
             call = self.calls.get(ev.stream_id)
             if call is not None:
                 call.headers = ev.headers
+                call.assembler.encoding = _encoding_header(ev.headers)
                 self._notify(call, callbacks)
         elif isinstance(ev, E.TrailersReceived):
             call = self.calls.get(ev.stream_id)
@@ -745,7 +773,10 @@ class Connection:
         elif isinstance(ev, E.StreamReset):
             call = self.calls.pop(ev.stream_id, None)
             if call is not None:
-                call.reset_code = ev.error_code
+                if call.ended and ev.error_code == h2.errors.ErrorCodes.NO_ERROR:
+                    call.peer_done = True       # complete: the peer only wants no more of our request
+                else:
+                    call.reset_code = ev.error_code
                 self._notify(call, callbacks)
             self.window_cond.notify_all()
         elif isinstance(ev, (E.WindowUpdated, E.RemoteSettingsChanged)):

@@ -9,6 +9,7 @@ import time
 import traceback
 
 import grpc
+import h2.errors
 
 from fabric.grpc import _http2, _transport, _wire
 
@@ -39,7 +40,9 @@ class ServicerContext(grpc.ServicerContext):
         self._cancelled = False
         self._callbacks = []
         self._lock = threading.Lock()
-        self._compression = None
+        self._compression = None         # set_compression(), else the server's
+        self._encoding = None            # what our messages use, fixed with the headers
+        self._plain_next = False         # disable_next_message_compression()
 
     # -- call information
     def invocation_metadata(self):
@@ -124,10 +127,22 @@ class ServicerContext(grpc.ServicerContext):
         self.abort(status.code, status.details)
 
     def set_compression(self, compression):
-        self._compression = compression
+        """Compress the responses (grpc.Compression) if the client accepts
+        it; effective until the response headers are sent."""
+        self._compression = _wire.encoding_of(compression)
 
     def disable_next_message_compression(self):
-        pass
+        self._plain_next = True
+
+    def _choose_encoding(self):
+        wanted = self._compression or self._server._encoding
+        if wanted in (None, "identity"):
+            return None
+        accepted = b""
+        for k, v in self._stream.headers:
+            if k == b"grpc-accept-encoding":
+                accepted = v
+        return wanted if wanted.encode() in [a.strip() for a in accepted.split(b",")] else None
 
     # -- sending
     def send_initial_metadata(self, initial_metadata):
@@ -139,8 +154,11 @@ class ServicerContext(grpc.ServicerContext):
 
     def _send_headers(self, metadata=()):
         headers = [(b":status", b"200"), (b"content-type", _wire.CONTENT_TYPE),
-                   (b"grpc-accept-encoding", b"identity")] + _wire.metadata_to_headers(metadata)
-        self._conn.send_headers(self._stream, headers)
+                   (b"grpc-accept-encoding", _wire.ACCEPT_ENCODING)]
+        self._encoding = self._choose_encoding()
+        if self._encoding is not None:
+            headers.append((b"grpc-encoding", self._encoding.encode()))
+        self._conn.send_headers(self._stream, headers + _wire.metadata_to_headers(metadata))
 
     def _ensure_headers(self):
         with self._lock:
@@ -152,8 +170,12 @@ class ServicerContext(grpc.ServicerContext):
     def _send_response(self, response, serializer):
         if not self.is_active():
             return False
-        data = serializer(response) if serializer else response
-        n = memoryview(data).nbytes
+        try:
+            data = serializer(response) if serializer else response
+            n = memoryview(data).nbytes
+        except Exception as e:
+            self._code, self._details = grpc.StatusCode.INTERNAL, f"Failed to serialize response: {e!r}"
+            raise _Abort() from None
         limit = self._server._max_send
         if limit >= 0 and n > limit:
             self._code = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -161,11 +183,14 @@ class ServicerContext(grpc.ServicerContext):
             raise _Abort()
         with self._conn.cork():
             self._ensure_headers()
-            self._conn.send_message(self._stream, data, deadline=self._deadline)
+            encoding, self._plain_next = (None if self._plain_next else self._encoding), False
+            self._conn.send_message(self._stream, data, deadline=self._deadline, encoding=encoding)
         return True
 
     def _finish(self, code, details):
-        """Trailers (or Trailers-Only) with the status; once."""
+        """Trailers (or Trailers-Only) with the status; once. Never raises,
+        and always ends the call on the wire: if the trailers cannot be
+        built or sent, the stream is reset."""
         with self._lock:
             if self._finished or self._cancelled:
                 return
@@ -173,20 +198,25 @@ class ServicerContext(grpc.ServicerContext):
             trailers_only = not self._initial_sent
             self._initial_sent = True
         try:
-            trailers = _wire.trailers(code, details, self._trailing)
-        except ValueError as e:
-            trailers = _wire.trailers(grpc.StatusCode.INTERNAL, f"bad trailing metadata: {e}")
-        try:
+            try:
+                trailers = _wire.trailers(code, details, self._trailing)
+            except Exception as e:
+                trailers = _wire.trailers(grpc.StatusCode.INTERNAL, f"bad status or trailing metadata: {e}")
             if trailers_only:
-                self._conn.send_headers(self._stream, [(b":status", b"200"),
-                                                       (b"content-type", _wire.CONTENT_TYPE)] + trailers,
-                                        end_stream=True)
-            else:
-                self._conn.send_headers(self._stream, trailers, end_stream=True)
+                trailers = [(b":status", b"200"), (b"content-type", _wire.CONTENT_TYPE),
+                            (b"grpc-accept-encoding", _wire.ACCEPT_ENCODING)] + trailers
+            self._conn.send_headers(self._stream, trailers, end_stream=True)
+            if not self._stream.ended:
+                # the request is not read to its end: the client may stop
+                # sending; the call is complete (RFC 9113 8.1, as grpcio does)
+                self._conn.reset(self._stream, h2.errors.ErrorCodes.NO_ERROR)
         except _http2.ConnectionFailed:
             pass
-        self._conn.forget(self._stream)
-        self._run_callbacks()
+        except Exception:
+            self._conn.reset(self._stream, h2.errors.ErrorCodes.INTERNAL_ERROR)
+        finally:
+            self._conn.forget(self._stream)
+            self._run_callbacks()
 
 
 class _RequestIterator:
@@ -237,6 +267,8 @@ class Server(grpc.Server):
             raise NotImplementedError("fabric.grpc servers do not support interceptors yet")
         opts = {k: v for k, v in (options or ())}
         self._pool = thread_pool
+        self._encoding = _wire.encoding_of(compression if compression is not None
+                                           else opts.get("grpc.default_compression_algorithm"))
         self._generic = list(handlers or ())
         self._registered = {}
         self._max_receive = int(opts.get("grpc.max_receive_message_length", _wire.DEFAULT_MAX_RECEIVE))
@@ -368,16 +400,23 @@ class Server(grpc.Server):
             except _wire.WireError as e:
                 self._pool.submit(ctx._finish, e.code, e.details)
                 return
-        enc = headers.get(b"grpc-encoding", b"identity")
-        if enc != b"identity":
+        enc = headers.get(b"grpc-encoding", b"identity").decode("ascii", "replace")
+        if enc not in _wire.ENCODINGS:
+            # the trailers carry grpc-accept-encoding: what we do support
             self._pool.submit(ctx._finish, grpc.StatusCode.UNIMPLEMENTED,
-                              f"compression {enc.decode('ascii', 'replace')} is not supported")
+                              f"Compression algorithm {enc!r} is not supported (accepted: "
+                              f"{_wire.ACCEPT_ENCODING.decode()})")
             return
         if self._max_concurrent is not None and self._active_rpcs >= self._max_concurrent:
             self._pool.submit(ctx._finish, grpc.StatusCode.RESOURCE_EXHAUSTED, "Concurrent RPC limit exceeded!")
             return
+        # the client is gone if it reset the call or the connection failed; a
+        # request it got wrong (WireError) ends the call with a status instead
         stream.on_event = lambda s, c=ctx: (c._on_client_gone()
-                                            if s.reset_code is not None or s.failure is not None else None)
+                                            if s.reset_code is not None or (
+                                                s.failure is not None
+                                                and not isinstance(s.failure, _wire.WireError))
+                                            else None)
         try:
             self._pool.submit(self._run, ctx, method)
         except RuntimeError:            # pool shut down

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import struct
+import zlib
 from urllib.parse import quote, unquote
 
 import grpc
@@ -17,6 +18,14 @@ DEFAULT_MAX_RECEIVE = 4 * 1024 * 1024  # grpcio's default
 CONTENT_TYPE = b"application/grpc"
 
 CODE_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
+
+# Message compression (gRPC's compression.md): gzip is RFC 1952, deflate the
+# zlib format (RFC 1950), both at zlib's default level as grpc core uses.
+ENCODINGS = ("identity", "deflate", "gzip")
+ACCEPT_ENCODING = b"identity,deflate,gzip"
+_WBITS = {"deflate": 15, "gzip": 31}
+_BY_COMPRESSION = {grpc.Compression.NoCompression: "identity", grpc.Compression.Deflate: "deflate",
+                   grpc.Compression.Gzip: "gzip"}
 
 # Metadata keys an application may not set (HTTP/2 pseudo-headers, gRPC's own).
 RESERVED = frozenset([b"content-type", b"te", b"grpc-status", b"grpc-message", b"grpc-timeout",
@@ -37,6 +46,47 @@ def prefix(length: int, compressed: bool = False) -> bytes:
     return PREFIX.pack(1 if compressed else 0, length)
 
 
+def encoding_of(compression) -> str | None:
+    """grpc.Compression (or its int value, as channel options carry it) to
+    an encoding name; None stays None (not chosen)."""
+    if compression is None:
+        return None
+    if not isinstance(compression, grpc.Compression):
+        try:
+            compression = grpc.Compression(int(compression))
+        except (TypeError, ValueError):
+            raise ValueError(f"unknown compression {compression!r} (use grpc.Compression)") from None
+    return _BY_COMPRESSION[compression]
+
+
+def compress(data, encoding: str) -> bytes:
+    c = zlib.compressobj(zlib.Z_DEFAULT_COMPRESSION, zlib.DEFLATED, _WBITS[encoding])
+    return c.compress(data) + c.flush()
+
+
+def decompress(data, encoding: str | None, limit: int) -> bytes:
+    """Inflate one message, never past limit bytes (a compression bomb is
+    refused after limit + 1 bytes, not inflated)."""
+    wbits = _WBITS.get(encoding or "")
+    if wbits is None:
+        if encoding in (None, "identity"):
+            raise WireError(grpc.StatusCode.INTERNAL,
+                            "compressed message received without a grpc-encoding")
+        raise WireError(grpc.StatusCode.UNIMPLEMENTED, f"compression {encoding!r} is not supported")
+    d = zlib.decompressobj(wbits)
+    try:
+        out = d.decompress(data, limit + 1) if limit >= 0 else d.decompress(data)
+    except zlib.error as e:
+        raise WireError(grpc.StatusCode.INTERNAL, f"cannot decompress a {encoding} message: {e}") from None
+    if limit >= 0 and len(out) > limit:
+        raise WireError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"Received message larger than max (over {limit} bytes once decompressed "
+                        f"vs. {limit})")
+    if not d.eof:
+        raise WireError(grpc.StatusCode.INTERNAL, f"truncated {encoding} message")
+    return out
+
+
 class MessageAssembler:
     """Cuts DATA payloads into gRPC messages; refuses a message above
     max_length before buffering it (the sender learns RESOURCE_EXHAUSTED).
@@ -48,6 +98,8 @@ class MessageAssembler:
 
     def __init__(self, max_length: int):
         self.max_length = max_length
+        self.encoding = None             # the peer's grpc-encoding, once its headers are in
+        self._flag = 0                   # the message being assembled is compressed
         self._buf = bytearray()          # prefix bytes, or a small message's bytes
         self._need = None                # length of the message being assembled
         self._dest = None                # large message: its final bytes object ...
@@ -85,7 +137,7 @@ class MessageAssembler:
                 continue
             if not self._buf and view.nbytes >= self._need:
                 # the whole message inside this payload: no copy
-                self._done.append(view[:self._need])
+                self._emit(view[:self._need])
                 view = view[self._need:]
                 self._need = None
                 continue
@@ -93,17 +145,23 @@ class MessageAssembler:
             self._buf += view[:take]
             view = view[take:]
             if len(self._buf) == self._need:
-                self._done.append(bytes(self._buf))
+                self._emit(bytes(self._buf))
                 self._buf = bytearray()
                 self._need = None
         return self.take_done()
 
+    def _emit(self, msg):
+        if self._flag:
+            msg = decompress(msg, self.encoding, self.max_length)
+        self._done.append(msg)
+
     def _start(self, flag: int, length: int):
         self._check(flag, length)
+        self._flag = flag
         self._need = length
         if length == 0:
-            self._done.append(b"")
             self._need = None
+            self._emit(b"")
         elif length >= self.DIRECT_MIN:
             self._dest, self._dest_view = new_bytes(length)
             self._fill = 0
@@ -119,9 +177,10 @@ class MessageAssembler:
         """n bytes were written into direct_target()."""
         self._fill += n
         if self._fill == self._need:
-            self._done.append(self._dest)          # bytes, complete: no more writes through the view
+            dest = self._dest                      # bytes, complete: no more writes through the view
             self._dest = self._dest_view = None
             self._need = None
+            self._emit(dest)
 
     def take_done(self) -> list:
         done, self._done = self._done, []
@@ -131,9 +190,15 @@ class MessageAssembler:
         if flag not in (0, 1):
             raise WireError(grpc.StatusCode.INTERNAL, f"bad message flag {flag}")
         if flag == 1:
-            raise WireError(grpc.StatusCode.UNIMPLEMENTED,
-                            "compressed message received but no compression was negotiated")
-        if self.max_length >= 0 and length > self.max_length:
+            if self.encoding in (None, "identity"):
+                raise WireError(grpc.StatusCode.INTERNAL,
+                                "compressed message received without a grpc-encoding")
+            # the limit is on the inflated size (decompress); deflate's output
+            # is at most a little larger than its input
+            if self.max_length >= 0 and length > self.max_length + (self.max_length >> 10) + 1024:
+                raise WireError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"Received message larger than max ({length} vs. {self.max_length})")
+        elif self.max_length >= 0 and length > self.max_length:
             raise WireError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"Received message larger than max ({length} vs. {self.max_length})")
 
@@ -227,10 +292,16 @@ def status_from_http(status: int) -> grpc.StatusCode:
                                                                                  grpc.StatusCode.UNKNOWN)
 
 
+def status_code(code) -> grpc.StatusCode:
+    """What a handler set, as a StatusCode: anything else (an int, as gRPC's
+    own interop service sets) is UNKNOWN, as grpcio maps it."""
+    return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
+
+
 def trailers(code: grpc.StatusCode, details: str | None, metadata=()) -> list:
-    out = [(b"grpc-status", str(code.value[0]).encode())]
+    out = [(b"grpc-status", str(status_code(code).value[0]).encode())]
     if details:
-        out.append((b"grpc-message", encode_message_text(details)))
+        out.append((b"grpc-message", encode_message_text(details if isinstance(details, str) else str(details))))
     out.extend(metadata_to_headers(metadata))
     return out
 
