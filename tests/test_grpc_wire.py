@@ -28,6 +28,30 @@ def test_messages_survive_any_split(messages, cuts):
     assert not asm.partial
 
 
+@settings(max_examples=200, deadline=None)
+@given(messages=st.lists(st.tuples(st.binary(max_size=3000), st.booleans()), max_size=6),
+       encoding=st.sampled_from(["gzip", "deflate"]), cuts=st.lists(st.integers(0, 30000), max_size=12),
+       limit=st.integers(0, 4000))
+def test_compressed_messages_survive_any_split_and_the_limit_is_on_inflated_sizes(messages, encoding,
+                                                                                   cuts, limit):
+    data = b"".join(_wire.prefix(len(p), True) + p if packed else _wire.prefix(len(m)) + m
+                    for m, packed in messages for p in [_wire.compress(m, encoding)] if m or not packed)
+    sent = [m for m, packed in messages if m or not packed]
+    points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
+    asm = _wire.MessageAssembler(limit)
+    asm.encoding = encoding
+    out = []
+    try:
+        for a, b in zip(points, points[1:]):
+            out += [bytes(m) for m in asm.feed(data[a:b])]
+    except _wire.WireError as e:
+        assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert any(len(m) > limit for m in sent), "refused a message within the limit"
+        assert out == sent[:len(out)]
+        return
+    assert out == sent and all(len(m) <= limit for m in sent)
+
+
 @pytest.mark.parametrize("limit,size,ok", [(10, 10, True), (10, 11, False), (0, 0, True), (0, 1, False),
                                            (-1, 1 << 20, True)])
 def test_receive_limit_is_enforced_before_buffering(limit, size, ok):
@@ -41,10 +65,27 @@ def test_receive_limit_is_enforced_before_buffering(limit, size, ok):
         assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-def test_compressed_and_bad_flags_are_refused():
+def test_compressed_messages_need_an_encoding_and_bad_flags_are_refused():
+    # the compressed flag without a grpc-encoding: a protocol error
     with pytest.raises(_wire.WireError) as exc:
         _wire.MessageAssembler(100).feed(b"\x01\x00\x00\x00\x01x")
+    assert exc.value.code == grpc.StatusCode.INTERNAL
+    # an encoding we do not know
+    asm = _wire.MessageAssembler(100)
+    asm.encoding = "snappy"
+    with pytest.raises(_wire.WireError) as exc:
+        asm.feed(b"\x01\x00\x00\x00\x01x")
     assert exc.value.code == grpc.StatusCode.UNIMPLEMENTED
+    # gzip, deflate: inflated, in pieces too
+    for name in ("gzip", "deflate"):
+        packed = _wire.compress(b"hello" * 10, name)
+        asm = _wire.MessageAssembler(100)
+        asm.encoding = name
+        framed_msg = _wire.prefix(len(packed), True) + packed
+        out = []
+        for i in range(len(framed_msg)):
+            out += asm.feed(framed_msg[i:i + 1])
+        assert [bytes(m) for m in out] == [b"hello" * 10]
     with pytest.raises(_wire.WireError) as exc:
         _wire.MessageAssembler(100).feed(b"\x07\x00\x00\x00\x01x")
     assert exc.value.code == grpc.StatusCode.INTERNAL

@@ -49,6 +49,9 @@ cdef enum:
     FAB_CAP_NATIVE_LARGE = 32      # send_large/recv_large: the fabric's own rendezvous
     FAB_CAP_ORDERED_CLOSE = 64     # the peer sees close() only after everything sent before it
                                    # (one stream); else a graceful close waits for the peer's CLOSE
+    FAB_CAP_LARGE_NATIVE_ONLY = 128  # every rendezvous goes by send_large/recv_large: this
+                                     # channel's read() is emulated by the peer's library in a
+                                     # way that cannot fail safely (UCX's software GET over tcp)
 
 # Results of send() / read() / reg(); negative values are -errno and mean the
 # channel has failed (its error text says why).

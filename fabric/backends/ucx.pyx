@@ -1034,6 +1034,13 @@ cdef fab_channel* new_channel(ucx_domain* d, int sock, size_t max_recv) noexcept
     ch.base.ops = &UCX_OPS
     ch.base.caps = (FAB_CAP_NATIVE_READ | FAB_CAP_SEND_ANY_MEMORY | FAB_CAP_READ_ANY_MEMORY
                     | FAB_CAP_NATIVE_LARGE)
+    if d.peer_errors:
+        # Network transports: over tcp, UCX emulates ucp_get in software and
+        # aborts the whole process (ucs_fatal in ucp_request_try_send via
+        # ucp_get_req_handler, UCX 1.22 and its master) when the reply to a
+        # peer's GET fails because that peer just died. Its own rendezvous
+        # reports such failures on the request instead.
+        ch.base.caps |= FAB_CAP_LARGE_NATIVE_ONLY
     ch.base.max_recv = max_recv
     ch.base.send_depth = 64
     ch.base.hub = &d.hub

@@ -504,6 +504,14 @@ cdef int announce_more(ep_t* ep, sendop_t* op) noexcept nogil:
         made = 1
     return made
 
+cdef bint uses_native(ep_t* ep, uint64_t total) noexcept nogil:
+    """A rendezvous by the fabric's own protocol rather than our pulls."""
+    if not (ep.caps & FAB_CAP_NATIVE_LARGE):       # (ep.ch may be gone: a closed endpoint)
+        return 0
+    if ep.caps & FAB_CAP_LARGE_NATIVE_ONLY:
+        return 1
+    return ep.w.opts.native_min != 0 and total >= ep.w.opts.native_min
+
 cdef int start_rndv(ep_t* ep, sendop_t* op) noexcept nogil:
     """Announce the first chunk. -1 failed, 0 started, 1 no slab free yet,
     2 too many chunks."""
@@ -512,8 +520,7 @@ cdef int start_rndv(ep_t* ep, sendop_t* op) noexcept nogil:
     cdef uint64_t nchunks = 0
     cdef size_t limit
     cdef int rc
-    op.native = (ep.ch.caps & FAB_CAP_NATIVE_LARGE and ep.w.opts.native_min
-                 and op.total >= ep.w.opts.native_min)
+    op.native = uses_native(ep, op.total)
     limit = chunk_limit(ep, op)
     for i in range(<uint32_t>op.nseg):
         nchunks += (op.segs[i].length + limit - 1) // limit
@@ -3175,8 +3182,7 @@ cdef class Endpoint:
             raise ValueError("size must be >= 0")
         if size <= self.ep.eager_limit:
             return ("eager", 0)
-        if (self.ep.caps & FAB_CAP_NATIVE_LARGE and self.w.opts.native_min
-                and size >= self.w.opts.native_min):
+        if uses_native(self.ep, size):
             return ("native", (size + NATIVE_CHUNK - 1) // NATIVE_CHUNK)
         return ("rendezvous", (size + self.w.opts.chunk_size - 1) // self.w.opts.chunk_size)
 
