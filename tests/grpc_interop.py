@@ -99,3 +99,64 @@ def _code(number: int) -> grpc.StatusCode:
         if c.value[0] == number:
             return c
     return grpc.StatusCode.UNKNOWN
+
+
+def async_servicer_class():
+    """The same service for grpc.aio servers: coroutines and async generators."""
+    import asyncio
+    pb, pb_grpc = generated()
+
+    async def echo_metadata(context):
+        md = dict(context.invocation_metadata())
+        if ECHO_INITIAL in md:
+            await context.send_initial_metadata(((ECHO_INITIAL, md[ECHO_INITIAL]),))
+        if ECHO_TRAILING in md:
+            context.set_trailing_metadata(((ECHO_TRAILING, md[ECHO_TRAILING]),))
+
+    async def apply_status(status, context):
+        if status.code:
+            await context.abort(_code(status.code), status.message)
+
+    class AsyncTestService(pb_grpc.TestServiceServicer):
+        def __init__(self):
+            self.cancelled = asyncio.Event()
+
+        async def EmptyCall(self, request, context):
+            await echo_metadata(context)
+            return pb.Empty()
+
+        async def UnaryCall(self, request, context):
+            await echo_metadata(context)
+            if request.sleep_ms:
+                # grpc.aio cancels the handler's task; its done callbacks say so
+                context.add_done_callback(lambda ctx: self.cancelled.set())
+                await asyncio.sleep(request.sleep_ms / 1000)
+            await apply_status(request.response_status, context)
+            return pb.SimpleResponse(payload=pb.Payload(body=bytes(request.response_size)))
+
+        async def StreamingOutputCall(self, request, context):
+            await echo_metadata(context)
+            for p in request.response_parameters:
+                if p.interval_us:
+                    await asyncio.sleep(p.interval_us / 1e6)
+                yield pb.StreamingOutputCallResponse(payload=pb.Payload(body=bytes(p.size)))
+            await apply_status(request.response_status, context)
+
+        async def StreamingInputCall(self, request_iterator, context):
+            await echo_metadata(context)
+            total = 0
+            async for r in request_iterator:
+                total += len(r.payload.body)
+            return pb.StreamingInputCallResponse(aggregated_payload_size=total)
+
+        async def FullDuplexCall(self, request_iterator, context):
+            await echo_metadata(context)
+            # the call is over for the server (grpc.aio ends a cancelled
+            # call's request stream and keeps context.cancelled() False)
+            context.add_done_callback(lambda ctx: self.cancelled.set())
+            async for request in request_iterator:
+                await apply_status(request.response_status, context)
+                for p in request.response_parameters:
+                    yield pb.StreamingOutputCallResponse(payload=pb.Payload(body=bytes(p.size)))
+
+    return AsyncTestService

@@ -1,0 +1,502 @@
+"""One HTTP/2 connection for gRPC calls in an asyncio event loop (h2 does the
+HTTP/2 state machine, HPACK and flow-control bookkeeping; fabric.grpc._wire
+the gRPC framing). No threads: a reader task feeds h2 and wakes the calls'
+waiters; bytes h2 produces go to the transport in order, written by a writer
+task (a fabric stream's write is a coroutine) or at once (a socket's
+transport buffers).
+
+Transports: plain TCP through asyncio streams (stock gRPC peers), and
+fabric streams through their coroutines (fabric+<backend>:// targets)."""
+from __future__ import annotations
+
+import asyncio
+import collections
+
+import grpc
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import h2.settings
+
+from fabric import errors
+from fabric.grpc import _wire
+from fabric.grpc._http2 import (CONNECTION_WINDOW, MAX_CONCURRENT_STREAMS, MAX_FRAME, MAX_HEADER_LIST,
+                                PROMPT_WINDOW_UPDATE, QUEUED_HIGH_WATER, STREAM_WINDOW, ConnectionFailed,
+                                _encoding_header, _MemoHpack)
+
+READ_SIZE = 256 << 10
+WRITE_HIGH_WATER = 4 << 20          # bytes queued for a fabric stream before senders wait
+
+
+class SocketTransport:
+    """asyncio streams (plain TCP, stock gRPC peers)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.reader, self.writer = reader, writer
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            import socket
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+        peer = writer.get_extra_info("peername") or ("?", 0)
+        self.peer_address = f"[{peer[0]}]:{peer[1]}" if ":" in str(peer[0]) else f"{peer[0]}:{peer[1]}"
+
+    async def read(self):
+        try:
+            return await self.reader.read(READ_SIZE)
+        except (ConnectionError, OSError):
+            return b""
+
+    def write(self, data) -> None:
+        if not self.writer.is_closing():
+            self.writer.write(data)
+
+    async def drain(self) -> None:
+        try:
+            await self.writer.drain()
+        except (ConnectionError, OSError) as e:
+            raise ConnectionFailed(f"write failed: {e}") from None
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class FabricTransport:
+    """A fabric.stream.Stream through its coroutines; writes leave in order
+    from one writer task."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.peer_address = stream.peer_address
+        self.queue = collections.deque()
+        self.queued = 0
+        self.wake = asyncio.Event()
+        self.room = asyncio.Event()
+        self.room.set()
+        self.failed = None
+        self.task = asyncio.get_running_loop().create_task(self._writer())
+
+    async def read(self):
+        try:
+            msg = await self.stream.aread_message()
+        except errors.FabricError:
+            return b""
+        return b"" if msg is None else msg
+
+    def write(self, data) -> None:
+        if self.failed is not None:
+            return
+        self.queue.append(data)
+        self.queued += len(data)
+        if self.queued > WRITE_HIGH_WATER:
+            self.room.clear()
+        self.wake.set()
+
+    async def drain(self) -> None:
+        while not self.room.is_set():
+            await self.room.wait()
+        if self.failed is not None:
+            raise ConnectionFailed(self.failed)
+
+    async def _writer(self):
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            while self.queue:
+                batch = []
+                while self.queue:
+                    item = self.queue.popleft()
+                    if item is None:                   # close() after the flush
+                        if batch:
+                            await self._write(batch)
+                        try:
+                            self.stream.close()
+                        except errors.FabricError:
+                            pass
+                        return
+                    batch.append(item)
+                if not await self._write(batch):
+                    return
+
+    async def _write(self, batch) -> bool:
+        n = sum(len(b) for b in batch)
+        try:
+            await self.stream.awrite(batch if len(batch) > 1 else batch[0])
+        except errors.FabricError as e:
+            self.failed = f"write failed: {e}"
+            self.queue.clear()
+            self.room.set()
+            return False
+        self.queued -= n
+        if self.queued <= WRITE_HIGH_WATER:
+            self.room.set()
+        return True
+
+    def close(self) -> None:
+        if self.queue and self.failed is None and not self.task.done():
+            # what is queued (a GOAWAY, the last trailers) leaves first
+            self.queue.append(None)
+            self.wake.set()
+            return
+        self.task.cancel()
+        try:
+            self.stream.close()
+        except errors.FabricError:
+            pass
+
+
+class _Signal:
+    """Waiters of one stream (or of the connection's windows)."""
+    __slots__ = ("waiters",)
+
+    def __init__(self):
+        self.waiters = []
+
+    def notify(self):
+        waiters, self.waiters = self.waiters, []
+        for f in waiters:
+            if not f.done():
+                f.set_result(None)
+
+    async def wait(self, loop, deadline) -> None:
+        fut = loop.create_future()
+        self.waiters.append(fut)
+        timer = None if deadline is None else loop.call_at(deadline, _expire, fut)
+        try:
+            await fut
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+
+def _expire(fut):
+    if not fut.done():
+        fut.set_result(None)
+
+
+class AioStream:
+    """What one HTTP/2 stream of a call has received, and its send state."""
+
+    def __init__(self, conn: "AioConnection", stream_id: int, max_receive: int):
+        self.conn = conn
+        self.id = stream_id
+        self.headers = None
+        self.trailers = None
+        self.messages = collections.deque()
+        self.queued_bytes = 0
+        self.unacked = 0
+        self.ended = False
+        self.reset_code = None
+        self.failure = None
+        self.peer_done = False
+        self.local_closed = False
+        self.assembler = _wire.MessageAssembler(max_receive)
+        self.signal = _Signal()
+        self.on_event = None            # callback(AioStream) on any change (server: the client went away)
+
+    def over(self) -> bool:
+        return self.failure is not None or self.reset_code is not None
+
+    async def wait(self, predicate, deadline) -> bool:
+        """Until predicate() or the stream failed or was reset; False on deadline."""
+        loop = self.conn.loop
+        while not (predicate() or self.over()):
+            if deadline is not None and loop.time() >= deadline:
+                return False
+            await self.signal.wait(loop, deadline)
+        return True
+
+    def take_message(self):
+        msg = self.messages.popleft()
+        self.queued_bytes -= len(msg)
+        if self.unacked and self.queued_bytes <= QUEUED_HIGH_WATER:
+            self.conn._ack(self)
+            self.conn._flush()
+        return msg
+
+
+class AioConnection:
+    def __init__(self, transport, client_side: bool, max_receive: int = _wire.DEFAULT_MAX_RECEIVE,
+                 on_request=None, on_close=None, trusted_peer: bool = False):
+        self.loop = asyncio.get_running_loop()
+        self.transport = transport
+        self.client_side = client_side
+        self.max_receive = max_receive
+        self.on_request = on_request
+        self.on_close = on_close
+        self.calls: dict[int, AioStream] = {}
+        self.dead = None
+        self.goaway_last_stream = None
+        self.window_signal = _Signal()
+        config = h2.config.H2Configuration(client_side=client_side, header_encoding=None,
+                                           validate_outbound_headers=False,
+                                           normalize_outbound_headers=False,
+                                           validate_inbound_headers=not trusted_peer)
+        self.h2 = h2.connection.H2Connection(config)
+        self.h2.encoder = _MemoHpack(self.h2.encoder, "encode")
+        self.h2.decoder = _MemoHpack(self.h2.decoder, "decode")
+        codes = h2.settings.SettingCodes
+        values = {codes.INITIAL_WINDOW_SIZE: STREAM_WINDOW, codes.MAX_FRAME_SIZE: MAX_FRAME,
+                  codes.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS,
+                  codes.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST}
+        if client_side:
+            values[codes.ENABLE_PUSH] = 0
+        self.h2.local_settings = h2.settings.Settings(client=client_side, initial_values=values)
+        self.h2.max_inbound_frame_size = MAX_FRAME
+        self.h2.incoming_buffer.max_frame_size = MAX_FRAME
+        self.h2.initiate_connection()
+        self.h2.increment_flow_control_window(CONNECTION_WINDOW - 65535)
+        self._flush()
+        self.reader = self.loop.create_task(self._read_loop())
+
+    # ------------------------------------------------------------ writing
+    def _flush(self) -> None:
+        data = self.h2.data_to_send()
+        if data:
+            self.transport.write(data)
+
+    def _check_call(self, call: AioStream):
+        if self.dead is not None:
+            raise ConnectionFailed(self.dead)
+        if self.h2.state_machine.state == h2.connection.ConnectionState.CLOSED:
+            raise ConnectionFailed("the connection is closing")
+        if call.peer_done:
+            raise ConnectionFailed(f"stream {call.id} was ended by the peer")
+        if call.reset_code is not None:
+            raise ConnectionFailed(f"stream {call.id} was reset ({call.reset_code})")
+        if call.local_closed:
+            raise ConnectionFailed(f"stream {call.id} is already closed for sending")
+
+    async def open_call(self, headers, end_stream: bool = False, deadline=None) -> AioStream:
+        while True:
+            if self.dead is not None:
+                raise ConnectionFailed(self.dead)
+            if self.goaway_last_stream is not None or \
+                    self.h2.state_machine.state == h2.connection.ConnectionState.CLOSED:
+                raise ConnectionFailed("the server is going away (GOAWAY)")
+            if self.h2.open_outbound_streams < self.h2.remote_settings.max_concurrent_streams:
+                break
+            if deadline is not None and self.loop.time() >= deadline:
+                raise TimeoutError("deadline exceeded waiting for a stream")
+            await self.window_signal.wait(self.loop, deadline)
+        sid = self.h2.get_next_available_stream_id()
+        call = AioStream(self, sid, self.max_receive)
+        self.calls[sid] = call
+        self.h2.send_headers(sid, headers, end_stream=end_stream)
+        if end_stream:
+            call.local_closed = True
+        self._flush()
+        return call
+
+    def send_headers(self, call: AioStream, headers, end_stream: bool = False) -> None:
+        self._check_call(call)
+        self.h2.send_headers(call.id, headers, end_stream=end_stream)
+        if end_stream:
+            call.local_closed = True
+        self._flush()
+
+    async def send_message(self, call: AioStream, payload, end_stream: bool = False, deadline=None,
+                           encoding: str | None = None) -> None:
+        """A length-prefixed gRPC message, cut to the peer's windows."""
+        view = memoryview(payload).cast("B")
+        compressed = False
+        if encoding is not None and encoding != "identity" and view.nbytes:
+            packed = _wire.compress(view, encoding)
+            if len(packed) < view.nbytes:
+                view, compressed = memoryview(packed), True
+        data = memoryview(_wire.prefix(view.nbytes, compressed) + view.tobytes())
+        while True:
+            self._check_call(call)
+            window = min(self.h2.local_flow_control_window(call.id), self.h2.max_outbound_frame_size)
+            if window <= 0 and data.nbytes:
+                if deadline is not None and self.loop.time() >= deadline:
+                    raise TimeoutError("deadline exceeded while waiting for flow control")
+                await self.window_signal.wait(self.loop, deadline)
+                continue
+            n = min(window, data.nbytes)
+            fin = end_stream and n == data.nbytes
+            self.h2.send_data(call.id, data[:n].tobytes() if n < data.nbytes else data.tobytes(),
+                              end_stream=fin)
+            if fin:
+                call.local_closed = True
+            self._flush()
+            data = data[n:]
+            if not data.nbytes:
+                break
+            await self.transport.drain()
+        if view.nbytes > (1 << 20):
+            await self.transport.drain()
+
+    def end_stream(self, call: AioStream) -> None:
+        self._check_call(call)
+        self.h2.end_stream(call.id)
+        call.local_closed = True
+        self._flush()
+
+    def reset(self, call: AioStream, code=h2.errors.ErrorCodes.CANCEL) -> None:
+        if call.reset_code is None:
+            call.reset_code = code
+        if self.dead is None:
+            try:
+                self.h2.reset_stream(call.id, error_code=code)
+                self._flush()
+            except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError, KeyError):
+                pass
+        self.calls.pop(call.id, None)
+        call.signal.notify()
+        self.window_signal.notify()
+
+    def forget(self, call: AioStream) -> None:
+        self.calls.pop(call.id, None)
+
+    def _ack(self, call: AioStream) -> None:
+        n, call.unacked = call.unacked, 0
+        if not n or self.dead is not None:
+            return
+        if n >= PROMPT_WINDOW_UPDATE:
+            self.h2.increment_flow_control_window(n)
+            try:
+                self.h2.increment_flow_control_window(n, stream_id=call.id)
+            except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError,
+                    h2.exceptions.FlowControlError):
+                pass
+        else:
+            try:
+                self.h2.acknowledge_received_data(n, call.id)
+            except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+                pass
+
+    # ------------------------------------------------------------ reading
+    async def _read_loop(self):
+        try:
+            while self.dead is None:
+                data = await self.transport.read()
+                if not data:
+                    self._fail("the peer closed the connection")
+                    return
+                try:
+                    events = self.h2.receive_data(data)
+                except h2.exceptions.ProtocolError as e:
+                    self._flush()
+                    self._fail(f"HTTP/2 protocol error from the peer: {e}")
+                    return
+                for ev in events:
+                    self._handle(ev)
+                self._flush()
+        except asyncio.CancelledError:
+            self._fail("connection closed locally")
+            raise
+        except Exception as e:               # noqa: BLE001 - any failure ends the connection
+            self._fail(f"connection failed: {e!r}")
+
+    def _notify(self, call: AioStream):
+        call.signal.notify()
+        if call.on_event is not None:
+            call.on_event(call)
+
+    def _handle(self, ev):
+        E = h2.events
+        if isinstance(ev, E.DataReceived):
+            call = self.calls.get(ev.stream_id)
+            if call is None or call.failure is not None:
+                if ev.flow_controlled_length:
+                    try:
+                        self.h2.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+                    except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+                        pass
+                return
+            call.unacked += ev.flow_controlled_length
+            try:
+                for msg in call.assembler.feed(ev.data):
+                    call.messages.append(msg)
+                    call.queued_bytes += len(msg)
+            except _wire.WireError as e:
+                call.failure = e
+                if self.client_side:
+                    self.reset(call, h2.errors.ErrorCodes.CANCEL)
+            if call.queued_bytes <= QUEUED_HIGH_WATER:
+                self._ack(call)
+            self._notify(call)
+        elif isinstance(ev, E.RequestReceived):
+            call = AioStream(self, ev.stream_id, self.max_receive)
+            call.headers = ev.headers
+            call.assembler.encoding = _encoding_header(ev.headers)
+            self.calls[ev.stream_id] = call
+            if ev.stream_ended is not None:
+                call.ended = True
+            if self.on_request is not None:
+                self.on_request(self, call)
+        elif isinstance(ev, E.ResponseReceived):
+            call = self.calls.get(ev.stream_id)
+            if call is not None:
+                call.headers = ev.headers
+                call.assembler.encoding = _encoding_header(ev.headers)
+                self._notify(call)
+        elif isinstance(ev, E.TrailersReceived):
+            call = self.calls.get(ev.stream_id)
+            if call is not None:
+                call.trailers = ev.headers
+                self._notify(call)
+        elif isinstance(ev, E.StreamEnded):
+            call = self.calls.get(ev.stream_id)
+            if call is not None:
+                call.ended = True
+                if call.assembler.partial and call.failure is None:
+                    call.failure = _wire.WireError(grpc.StatusCode.INTERNAL, "stream ended inside a message")
+                self._notify(call)
+            self.window_signal.notify()
+        elif isinstance(ev, E.StreamReset):
+            call = self.calls.pop(ev.stream_id, None)
+            if call is not None:
+                if call.ended and ev.error_code == h2.errors.ErrorCodes.NO_ERROR:
+                    call.peer_done = True
+                else:
+                    call.reset_code = ev.error_code
+                self._notify(call)
+            self.window_signal.notify()
+        elif isinstance(ev, (E.WindowUpdated, E.RemoteSettingsChanged)):
+            self.window_signal.notify()
+        elif isinstance(ev, E.ConnectionTerminated):
+            self.goaway_last_stream = ev.last_stream_id if ev.last_stream_id is not None else 0
+            for sid, call in list(self.calls.items()):
+                if self.client_side and sid > self.goaway_last_stream:
+                    call.failure = ConnectionFailed("the server went away (GOAWAY) before this call started")
+                    self._notify(call)
+            if ev.error_code:
+                self.dead = f"the peer ended the connection (GOAWAY {ev.error_code!r})"
+            self.window_signal.notify()
+
+    def _fail(self, reason: str):
+        first = self.dead is None or not getattr(self, "_failed", False)
+        self._failed = True
+        if self.dead is None:
+            self.dead = reason
+        for call in list(self.calls.values()):
+            if call.failure is None:
+                call.failure = ConnectionFailed(self.dead)
+            self._notify(call)
+        self.window_signal.notify()
+        if first:
+            self.transport.close()
+            if self.on_close is not None:
+                self.on_close(self)
+
+    # ------------------------------------------------------------ closing
+    def close(self, graceful: bool = True) -> None:
+        if graceful and self.dead is None:
+            try:
+                self.h2.close_connection()
+                self._flush()
+            except h2.exceptions.ProtocolError:
+                pass
+        self._fail("connection closed locally")
+        if not self.reader.done():
+            self.reader.cancel()
+
+    @property
+    def alive(self) -> bool:
+        return self.dead is None and self.goaway_last_stream is None
