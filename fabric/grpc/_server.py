@@ -258,13 +258,22 @@ def _deserialize(ctx, deserializer, msg):
         raise _Abort() from None
 
 
+def intercepted(interceptors, index, find, details):
+    if index == len(interceptors):
+        return find(details)
+    return interceptors[index].intercept_service(
+        lambda d: intercepted(interceptors, index + 1, find, d), details)
+
+
 class Server(grpc.Server):
     """fabric.grpc.server(thread_pool, handlers=None, options=None, ...)."""
 
     def __init__(self, thread_pool, handlers=None, interceptors=None, options=None,
                  maximum_concurrent_rpcs=None, compression=None, fabric=None):
-        if interceptors:
-            raise NotImplementedError("fabric.grpc servers do not support interceptors yet")
+        for interceptor in interceptors or ():
+            if not isinstance(interceptor, grpc.ServerInterceptor):
+                raise TypeError(f"{interceptor!r} is not a grpc.ServerInterceptor")
+        self._interceptors = tuple(interceptors or ())
         opts = {k: v for k, v in (options or ())}
         self._pool = thread_pool
         self._encoding = _wire.encoding_of(compression if compression is not None
@@ -374,16 +383,23 @@ class Server(grpc.Server):
         return self._stopped.wait(timeout)
 
     # -- calls
-    def _lookup(self, method, metadata):
-        handler = self._registered.get(method)
+    def _find_handler(self, details):
+        handler = self._registered.get(details.method)
         if handler is not None:
             return handler
-        details = HandlerCallDetails(method, metadata)
         for generic in self._generic:
             handler = generic.service(details)
             if handler is not None:
                 return handler
         return None
+
+    def _lookup(self, method, metadata):
+        """The handler of method, through the interceptors (the first given
+        is the outermost, as grpcio chains them)."""
+        details = HandlerCallDetails(method, metadata)
+        if not self._interceptors:
+            return self._find_handler(details)
+        return intercepted(self._interceptors, 0, self._find_handler, details)
 
     def _on_request(self, conn, stream):
         """(reader thread) A new call: validate its headers, then run it on the pool."""

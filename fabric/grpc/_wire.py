@@ -33,6 +33,13 @@ RESERVED = frozenset([b"content-type", b"te", b"grpc-status", b"grpc-message", b
                       b"user-agent", b"host", b"connection", b"transfer-encoding", b"upgrade"])
 
 
+try:            # grpcio's own (key, value) pair type, so metadata compares and prints as grpcio's
+    from grpc._cython.cygrpc import _Metadatum as Metadatum
+except ImportError:                                   # pragma: no cover
+    import collections
+    Metadatum = collections.namedtuple("_Metadatum", ("key", "value"))
+
+
 class WireError(Exception):
     """A gRPC protocol violation; carries the status the call ends with."""
 
@@ -269,9 +276,9 @@ def headers_to_metadata(headers) -> tuple:
         key = k.decode("ascii", "replace")
         if k.endswith(b"-bin"):
             vb = bytes(v) if not isinstance(v, str) else v.encode()
-            out.append((key, base64.b64decode(vb + b"=" * (-len(vb) % 4))))
+            out.append(Metadatum(key, base64.b64decode(vb + b"=" * (-len(vb) % 4))))
         else:
-            out.append((key, v.decode("ascii", "replace") if isinstance(v, (bytes, bytearray)) else v))
+            out.append(Metadatum(key, v.decode("ascii", "replace") if isinstance(v, (bytes, bytearray)) else v))
     return tuple(out)
 
 

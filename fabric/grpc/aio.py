@@ -469,8 +469,189 @@ class StreamStreamCall(_ResponseReader, _RequestWriter, _Call, grpc.aio.StreamSt
         self._begin_requests(request_iterator)
 
 
+# ------------------------------------------------------------ client interceptors
+
+class _WriteQueue:
+    """The request iterator behind write()/done_writing() of an intercepted call."""
+
+    def __init__(self):
+        self.queue = asyncio.Queue()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        item = await self.queue.get()
+        if item is EOF:
+            raise StopAsyncIteration
+        return item
+
+
+class _InterceptedCall:
+    """A call whose invocation went through client interceptors: it
+    delegates to the call the chain produced (or serves what an interceptor
+    returned in its place: a response, or an async iterator of responses)."""
+
+    def __init__(self, interceptors, kind, request, details, invoke):
+        self._loop = asyncio.get_running_loop()
+        self._inner = None                 # the grpc.aio call, once the chain made it
+        self._inner_ready = self._loop.create_future()
+        self._result = None                # what the chain returned
+        self._writes = None
+        self._deadline = None if details.timeout is None else self._loop.time() + details.timeout
+        if kind.startswith("stream") and request is None:
+            self._writes = request = _WriteQueue()
+        self._task = self._loop.create_task(self._run(interceptors, kind, request, details, invoke))
+
+    async def _run(self, interceptors, kind, request, details, invoke):
+        method = f"intercept_{kind}"
+
+        async def at(index, d, req):
+            if index == len(interceptors):
+                call = invoke(d, req)
+                if self._inner is None:
+                    self._set_inner(call)
+                return call
+
+            async def continuation(next_details, next_request):
+                return await at(index + 1, next_details, next_request)
+            return await getattr(interceptors[index], method)(continuation, d, req)
+        try:
+            self._result = await at(0, details, request)
+        finally:
+            if not self._inner_ready.done():
+                self._inner_ready.set_result(None)
+        if isinstance(self._result, grpc.aio.Call) and self._result is not self._inner:
+            self._inner = self._result
+        return self._result
+
+    def _set_inner(self, call):
+        self._inner = call
+        if not self._inner_ready.done():
+            self._inner_ready.set_result(None)
+
+    async def _call(self):
+        await self._task
+        return self._inner
+
+    def cancel(self) -> bool:
+        if self._inner is not None:
+            return self._inner.cancel()
+        return self._task.cancel()
+
+    def cancelled(self) -> bool:
+        return self._inner.cancelled() if self._inner is not None else self._task.cancelled()
+
+    def done(self) -> bool:
+        return self._inner.done() if self._inner is not None else self._task.done()
+
+    def time_remaining(self):
+        return None if self._deadline is None else max(0.0, self._deadline - self._loop.time())
+
+    def add_done_callback(self, callback):
+        if self._inner is not None:
+            self._inner.add_done_callback(lambda _call: callback(self))
+        else:
+            self._task.add_done_callback(lambda _t: self.add_done_callback(callback))
+
+    async def initial_metadata(self):
+        inner = await self._call()
+        return await inner.initial_metadata() if inner is not None else Metadata()
+
+    async def trailing_metadata(self):
+        inner = await self._call()
+        return await inner.trailing_metadata() if inner is not None else Metadata()
+
+    async def code(self):
+        try:
+            inner = await self._call()
+        except asyncio.CancelledError:
+            return grpc.StatusCode.CANCELLED
+        except AioRpcError as e:
+            return e.code()
+        return await inner.code() if inner is not None else grpc.StatusCode.OK
+
+    async def details(self):
+        try:
+            inner = await self._call()
+        except AioRpcError as e:
+            return e.details()
+        return await inner.details() if inner is not None else ""
+
+    async def wait_for_connection(self):
+        await self._inner_ready
+        if self._inner is not None:
+            await self._inner.wait_for_connection()
+
+    # -- unary responses
+    async def _response(self):
+        result = await self._task
+        if isinstance(result, grpc.aio.Call):
+            return await result
+        return result
+
+    def __await__(self):
+        return self._response().__await__()
+
+    # -- streaming responses
+    async def read(self):
+        result = await self._task
+        if isinstance(result, grpc.aio.Call):
+            return await result.read()
+        if not hasattr(self, "_source"):
+            self._source = result.__aiter__()
+        try:
+            return await self._source.__anext__()
+        except StopAsyncIteration:
+            return EOF
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        while True:
+            msg = await self.read()
+            if msg is EOF:
+                return
+            yield msg
+
+    # -- streaming requests
+    async def write(self, request):
+        if self._writes is None:
+            raise grpc.aio.UsageError("write() is not allowed with a request iterator")
+        await self._writes.queue.put(request)
+
+    async def done_writing(self):
+        if self._writes is None:
+            raise grpc.aio.UsageError("done_writing() is not allowed with a request iterator")
+        await self._writes.queue.put(EOF)
+
+
+class InterceptedUnaryUnaryCall(_InterceptedCall, grpc.aio.UnaryUnaryCall):
+    pass
+
+
+class InterceptedUnaryStreamCall(_InterceptedCall, grpc.aio.UnaryStreamCall):
+    pass
+
+
+class InterceptedStreamUnaryCall(_InterceptedCall, grpc.aio.StreamUnaryCall):
+    pass
+
+
+class InterceptedStreamStreamCall(_InterceptedCall, grpc.aio.StreamStreamCall):
+    pass
+
+
+_INTERCEPTOR_KINDS = {"unary_unary": (grpc.aio.UnaryUnaryClientInterceptor, InterceptedUnaryUnaryCall),
+                      "unary_stream": (grpc.aio.UnaryStreamClientInterceptor, InterceptedUnaryStreamCall),
+                      "stream_unary": (grpc.aio.StreamUnaryClientInterceptor, InterceptedStreamUnaryCall),
+                      "stream_stream": (grpc.aio.StreamStreamClientInterceptor, InterceptedStreamStreamCall)}
+
+
 class _MultiCallable:
     _call_class = None
+    _kind = None
 
     def __init__(self, channel, method, request_serializer, response_deserializer):
         self._channel = channel
@@ -481,7 +662,20 @@ class _MultiCallable:
     def __call__(self, request=None, *, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
                  compression=None):
         self._channel._check_open()
-        call = self._call_class(request, self._channel, self._method, self._serialize, self._deserialize,
+        intercepted = _INTERCEPTOR_KINDS[self._kind][1]
+        interceptors = self._channel._interceptors_of[self._kind]
+        if not interceptors:
+            return self._invoke(request, self._method, timeout, metadata, wait_for_ready, compression)
+        details = grpc.aio.ClientCallDetails(self._method.encode(), timeout, Metadata(*tuple(metadata or ())),
+                                             credentials, wait_for_ready)     # bytes, as grpc.aio gives it
+        return intercepted(interceptors, self._kind, request, details,
+                           lambda d, req: self._invoke(req, d.method, d.timeout, d.metadata,
+                                                       d.wait_for_ready, compression))
+
+    def _invoke(self, request, method, timeout, metadata, wait_for_ready, compression):
+        if isinstance(method, bytes):
+            method = method.decode()
+        call = self._call_class(request, self._channel, method, self._serialize, self._deserialize,
                                 timeout, metadata, wait_for_ready, compression)
         self._channel._calls.add(call)
         return call
@@ -489,10 +683,12 @@ class _MultiCallable:
 
 class UnaryUnaryMultiCallable(_MultiCallable, grpc.aio.UnaryUnaryMultiCallable):
     _call_class = UnaryUnaryCall
+    _kind = "unary_unary"
 
 
 class UnaryStreamMultiCallable(_MultiCallable, grpc.aio.UnaryStreamMultiCallable):
     _call_class = UnaryStreamCall
+    _kind = "unary_stream"
 
 
 class _StreamingRequests(_MultiCallable):
@@ -504,10 +700,12 @@ class _StreamingRequests(_MultiCallable):
 
 class StreamUnaryMultiCallable(_StreamingRequests, grpc.aio.StreamUnaryMultiCallable):
     _call_class = StreamUnaryCall
+    _kind = "stream_unary"
 
 
 class StreamStreamMultiCallable(_StreamingRequests, grpc.aio.StreamStreamMultiCallable):
     _call_class = StreamStreamCall
+    _kind = "stream_stream"
 
 
 class Channel(grpc.aio.Channel):
@@ -515,8 +713,17 @@ class Channel(grpc.aio.Channel):
 
     def __init__(self, target: str, options=None, compression=None, interceptors=None, fabric=None):
         backend, host, port = _transport.parse_target(target)
-        if interceptors:
-            raise NotImplementedError("fabric.grpc.aio channels do not take interceptors yet")
+        for interceptor in interceptors or ():
+            if not isinstance(interceptor, grpc.aio.ClientInterceptor):        # as grpc.aio checks
+                raise ValueError(f"Interceptor {interceptor!r} must be a grpc.aio client interceptor")
+        # each interceptor serves the first call kind it is an interceptor
+        # of, as grpc.aio sorts them (one class for two kinds serves one)
+        self._interceptors_of = {kind: [] for kind in _INTERCEPTOR_KINDS}
+        for interceptor in interceptors or ():
+            for kind, (interface, _) in _INTERCEPTOR_KINDS.items():
+                if isinstance(interceptor, interface):
+                    self._interceptors_of[kind].append(interceptor)
+                    break
         opts = _options_dict(options)
         self._target = target
         self._fabric = fabric
@@ -649,7 +856,7 @@ class ServicerContext(grpc.aio.ServicerContext):
 
     # -- call information
     def invocation_metadata(self):
-        return _metadata(self._metadata)
+        return self._metadata            # a tuple of (key, value), as grpc.aio's servers give it
 
     def peer(self):
         addr = getattr(self._conn.transport, "peer_address", "?")
@@ -839,8 +1046,10 @@ class Server(grpc.aio.Server):
 
     def __init__(self, migration_thread_pool=None, handlers=None, interceptors=None, options=None,
                  maximum_concurrent_rpcs=None, compression=None, fabric=None):
-        if interceptors:
-            raise NotImplementedError("fabric.grpc.aio servers do not take interceptors yet")
+        for interceptor in interceptors or ():
+            if not isinstance(interceptor, grpc.aio.ServerInterceptor):          # as grpc.aio checks
+                raise ValueError(f"Interceptor {interceptor!r} must be grpc.aio.ServerInterceptor")
+        self._interceptors = tuple(interceptors or ())
         opts = _options_dict(options)
         self._pool = migration_thread_pool
         self._generic = list(handlers or ())
@@ -963,16 +1172,29 @@ class Server(grpc.aio.Server):
             return False
 
     # -- calls
-    def _lookup(self, method, metadata):
-        handler = self._registered.get(method)
+    def _find_handler(self, details):
+        handler = self._registered.get(details.method)
         if handler is not None:
             return handler
-        details = HandlerCallDetails(method, metadata)
         for generic in self._generic:
             handler = generic.service(details)
             if handler is not None:
                 return handler
         return None
+
+    async def _lookup(self, method, metadata):
+        """The handler of method through the interceptors (the first given is
+        the outermost, as grpc.aio chains them)."""
+        details = HandlerCallDetails(method, metadata)
+
+        async def at(index, d):
+            if index == len(self._interceptors):
+                return self._find_handler(d)
+
+            async def continuation(next_details):
+                return await at(index + 1, next_details)
+            return await self._interceptors[index].intercept_service(continuation, d)
+        return await at(0, details)
 
     def _on_request(self, conn, stream):
         headers = dict(stream.headers)
@@ -1003,7 +1225,11 @@ class Server(grpc.aio.Server):
         ctx._task.add_done_callback(lambda t, c=ctx: self._calls.discard(c))
 
     async def _serve(self, ctx, method):
-        handler = self._lookup(method, ctx._metadata)
+        try:
+            handler = await self._lookup(method, ctx._metadata)
+        except Exception as e:                        # noqa: BLE001 - an interceptor's failure is the status
+            ctx._finish(grpc.StatusCode.UNKNOWN, f"Exception in an interceptor: {e!r}")
+            return
         if handler is None:
             ctx._finish(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {method}")
             return
