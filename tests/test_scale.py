@@ -258,14 +258,16 @@ def test_sync_and_async_users_of_one_fabric_at_once(backend_name):
     other.close()
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(240)
 def test_queued_sends_flush_while_the_sender_waits_elsewhere(backend_name, peer_factory):
     """Sends left queued by isend (a full socket, no credits) must go out while
     the sending thread blocks on another endpoint: the engine re-arms every
     endpoint an operation touched, not only the one being waited on."""
     import signal as signals
     import json
-    n = 300
+    # (Soft-RoCE under TCG moves these at ~1 MB/s: 20-30 s for 300 alone, over
+    # 60 s inside the full guest run; fewer there, the stall is the same)
+    n = 64 if backend_name == "verbs" else 300
     # many credits and large eager messages: more in flight than the socket buffers hold
     big = dict(credits=256, eager_limit=65536, coalesce_limit=69632, recv_budget=64 << 20)
     peer = peer_factory("count_then_signal", n, backend=backend_name,
@@ -279,7 +281,7 @@ def test_queued_sends_flush_while_the_sender_waits_elsewhere(backend_name, peer_
         reqs = [data.isend(payload) for _ in range(n)]
     finally:
         peer.proc.send_signal(signals.SIGCONT)
-    assert bytes(signal.recv(timeout=60)) == b"got all"
+    assert bytes(signal.recv(timeout=120)) == b"got all"
     for r in reqs:
         r.wait(timeout=30)
     signal.send(b"bye")
