@@ -26,7 +26,8 @@ from fabric.grpc._http2 import (CONNECTION_WINDOW, MAX_CONCURRENT_STREAMS, MAX_F
                                 PROMPT_WINDOW_UPDATE, QUEUED_HIGH_WATER, STREAM_WINDOW, ConnectionFailed,
                                 _encoding_header, _MemoHpack)
 
-READ_SIZE = 256 << 10
+READ_SIZE = 1 << 20
+SMALL_MESSAGE = 64 << 10            # up to this, prefix and message go out as one DATA frame
 WRITE_HIGH_WATER = 4 << 20          # bytes queued for a fabric stream before senders wait
 
 
@@ -308,26 +309,31 @@ class AioConnection:
             packed = _wire.compress(view, encoding)
             if len(packed) < view.nbytes:
                 view, compressed = memoryview(packed), True
-        data = memoryview(_wire.prefix(view.nbytes, compressed) + view.tobytes())
-        while True:
-            self._check_call(call)
-            window = min(self.h2.local_flow_control_window(call.id), self.h2.max_outbound_frame_size)
-            if window <= 0 and data.nbytes:
-                if deadline is not None and self.loop.time() >= deadline:
-                    raise TimeoutError("deadline exceeded while waiting for flow control")
-                await self.window_signal.wait(self.loop, deadline)
-                continue
-            n = min(window, data.nbytes)
-            fin = end_stream and n == data.nbytes
-            self.h2.send_data(call.id, data[:n].tobytes() if n < data.nbytes else data.tobytes(),
-                              end_stream=fin)
-            if fin:
-                call.local_closed = True
-            self._flush()
-            data = data[n:]
-            if not data.nbytes:
-                break
-            await self.transport.drain()
+        head = _wire.prefix(view.nbytes, compressed)
+        if view.nbytes <= SMALL_MESSAGE:
+            pieces = [memoryview(head + view.tobytes())]        # one DATA frame
+        else:
+            pieces = [memoryview(head), view]                   # no copy of the payload: frames slice it
+        for i, data in enumerate(pieces):
+            last = i == len(pieces) - 1
+            while True:
+                self._check_call(call)
+                window = min(self.h2.local_flow_control_window(call.id), self.h2.max_outbound_frame_size)
+                if window <= 0:
+                    if deadline is not None and self.loop.time() >= deadline:
+                        raise TimeoutError("deadline exceeded while waiting for flow control")
+                    await self.window_signal.wait(self.loop, deadline)
+                    continue
+                n = min(window, data.nbytes)
+                fin = end_stream and last and n == data.nbytes
+                self.h2.send_data(call.id, data[:n], end_stream=fin)
+                if fin:
+                    call.local_closed = True
+                self._flush()
+                data = data[n:]
+                if not data.nbytes:
+                    break
+                await self.transport.drain()
         if view.nbytes > (1 << 20):
             await self.transport.drain()
 
