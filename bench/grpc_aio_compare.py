@@ -65,9 +65,28 @@ async def serve(kind):
     server.add_generic_rpc_handlers([handler])
     port = server.add_insecure_port(address)
     await server.start()
+    import signal
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump_state, server)
     print(port, flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
     await server.stop(0)
+
+
+def dump_state(server):
+    """SIGUSR1: the server's connections, calls and fabric engine state, to
+    stderr (a stalled run is diagnosed from both sides)."""
+    for conn in getattr(server, "_connections", ()):
+        print("conn dead", conn.dead, "calls", {sid: (s.ended, len(s.messages), s.local_closed, s.reset_code)
+                                                for sid, s in conn.calls.items()}, file=sys.stderr)
+        stream = getattr(conn.transport, "stream", None)
+        if stream is not None:
+            ep = stream.endpoint
+            print("endpoint", ep.stats(), file=sys.stderr)
+            state = ep.worker._debug_state()
+            print("worker", {k: v for k, v in state.items() if k != "endpoints"}, file=sys.stderr)
+            print("endpoints", state["endpoints"], file=sys.stderr)
+    print("calls in handlers", len(getattr(server, "_calls", ())), "connections ended:",
+          list(getattr(server, "_closed_reasons", ())), file=sys.stderr, flush=True)
 
 
 async def client(kind, port):

@@ -84,7 +84,8 @@ class FabricTransport:
     async def read(self):
         try:
             msg = await self.stream.aread_message()
-        except errors.FabricError:
+        except errors.FabricError as e:
+            self.read_error = e
             return b""
         return b"" if msg is None else msg
 
@@ -382,7 +383,9 @@ class AioConnection:
             while self.dead is None:
                 data = await self.transport.read()
                 if not data:
-                    self._fail("the peer closed the connection")
+                    why = getattr(self.transport, "read_error", None)
+                    self._fail("the peer closed the connection" if why is None
+                               else f"the connection failed: {type(why).__name__}: {why}")
                     return
                 try:
                     events = self.h2.receive_data(data)

@@ -19,6 +19,7 @@ errors are grpc.aio.AioRpcError, the end of a stream grpc.aio.EOF.
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import socket
 import time
@@ -1063,6 +1064,7 @@ class Server(grpc.aio.Server):
         self._ports = []                 # (kind, listening object) bound at add_*_port
         self._serving = []               # asyncio servers and accept tasks
         self._connections = set()
+        self._closed_reasons = collections.deque(maxlen=16)
         self._calls = set()
         self._started = False
         self._stopping = False
@@ -1131,9 +1133,13 @@ class Server(grpc.aio.Server):
             transport.close()
             return
         conn = AioConnection(transport, client_side=False, max_receive=self._max_receive,
-                             on_request=self._on_request, on_close=self._connections.discard,
+                             on_request=self._on_request, on_close=self._conn_closed,
                              trusted_peer=trusted)
         self._connections.add(conn)
+
+    def _conn_closed(self, conn):
+        self._connections.discard(conn)
+        self._closed_reasons.append(conn.dead)          # (diagnostics: why connections ended)
 
     async def stop(self, grace):
         if self._stopped is None:
