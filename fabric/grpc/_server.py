@@ -265,7 +265,33 @@ def intercepted(interceptors, index, find, details):
         lambda d: intercepted(interceptors, index + 1, find, d), details)
 
 
-class Server(grpc.Server):
+class HandlerRegistry:
+    """The handlers of a server (sync or aio): registered methods first, then
+    the generic handlers in the order they were added, as grpcio looks them up."""
+
+    def _init_handlers(self, handlers):
+        self._generic = list(handlers or ())
+        self._registered = {}
+
+    def add_generic_rpc_handlers(self, generic_rpc_handlers):
+        self._generic.extend(generic_rpc_handlers)
+
+    def add_registered_method_handlers(self, service_name, method_handlers):
+        for method, handler in method_handlers.items():
+            self._registered[f"/{service_name}/{method}"] = handler
+
+    def _find_handler(self, details):
+        handler = self._registered.get(details.method)
+        if handler is not None:
+            return handler
+        for generic in self._generic:
+            handler = generic.service(details)
+            if handler is not None:
+                return handler
+        return None
+
+
+class Server(HandlerRegistry, grpc.Server):
     """fabric.grpc.server(thread_pool, handlers=None, options=None, ...)."""
 
     def __init__(self, thread_pool, handlers=None, interceptors=None, options=None,
@@ -278,8 +304,7 @@ class Server(grpc.Server):
         self._pool = thread_pool
         self._encoding = _wire.encoding_of(compression if compression is not None
                                            else opts.get("grpc.default_compression_algorithm"))
-        self._generic = list(handlers or ())
-        self._registered = {}
+        self._init_handlers(handlers)
         self._max_receive = int(opts.get("grpc.max_receive_message_length", _wire.DEFAULT_MAX_RECEIVE))
         self._max_send = int(opts.get("grpc.max_send_message_length", -1))
         self._max_concurrent = maximum_concurrent_rpcs
@@ -294,13 +319,6 @@ class Server(grpc.Server):
         self._shutdown_started = False
 
     # -- configuration
-    def add_generic_rpc_handlers(self, generic_rpc_handlers):
-        self._generic.extend(generic_rpc_handlers)
-
-    def add_registered_method_handlers(self, service_name, method_handlers):
-        for method, handler in method_handlers.items():
-            self._registered[f"/{service_name}/{method}"] = handler
-
     def add_insecure_port(self, address):
         """Listen on address (host:port plain TCP, or fabric+<backend>://host:port);
         returns the port bound (useful with port 0)."""
@@ -383,16 +401,6 @@ class Server(grpc.Server):
         return self._stopped.wait(timeout)
 
     # -- calls
-    def _find_handler(self, details):
-        handler = self._registered.get(details.method)
-        if handler is not None:
-            return handler
-        for generic in self._generic:
-            handler = generic.service(details)
-            if handler is not None:
-                return handler
-        return None
-
     def _lookup(self, method, metadata):
         """The handler of method, through the interceptors (the first given
         is the outermost, as grpcio chains them)."""

@@ -33,7 +33,7 @@ from fabric.grpc import _transport, _wire
 from fabric.grpc._aio_http2 import AioConnection, FabricTransport, SocketTransport
 from fabric.grpc._channel import USER_AGENT, _options_dict
 from fabric.grpc._http2 import ConnectionFailed
-from fabric.grpc._server import HandlerCallDetails
+from fabric.grpc._server import HandlerCallDetails, HandlerRegistry
 
 __all__ = ["insecure_channel", "server", "Channel", "Server", "ServicerContext", "AioRpcError", "EOF",
            "Metadata"]
@@ -1042,7 +1042,7 @@ class _RequestIterator:
         return msg
 
 
-class Server(grpc.aio.Server):
+class Server(HandlerRegistry, grpc.aio.Server):
     """fabric.grpc.aio.server(migration_thread_pool=None, handlers=None, ...)."""
 
     def __init__(self, migration_thread_pool=None, handlers=None, interceptors=None, options=None,
@@ -1053,8 +1053,7 @@ class Server(grpc.aio.Server):
         self._interceptors = tuple(interceptors or ())
         opts = _options_dict(options)
         self._pool = migration_thread_pool
-        self._generic = list(handlers or ())
-        self._registered = {}
+        self._init_handlers(handlers)
         self._max_receive = int(opts.get("grpc.max_receive_message_length", _wire.DEFAULT_MAX_RECEIVE))
         self._max_send = int(opts.get("grpc.max_send_message_length", -1))
         self._encoding = _wire.encoding_of(compression if compression is not None
@@ -1071,13 +1070,6 @@ class Server(grpc.aio.Server):
         self._stopped = None
 
     # -- configuration
-    def add_generic_rpc_handlers(self, generic_rpc_handlers):
-        self._generic.extend(generic_rpc_handlers)
-
-    def add_registered_method_handlers(self, service_name, method_handlers):
-        for method, handler in method_handlers.items():
-            self._registered[f"/{service_name}/{method}"] = handler
-
     def add_insecure_port(self, address: str) -> int:
         """Bind now (host:port plain TCP, or fabric[+backend]://host:port);
         returns the port (useful with port 0)."""
@@ -1178,16 +1170,6 @@ class Server(grpc.aio.Server):
             return False
 
     # -- calls
-    def _find_handler(self, details):
-        handler = self._registered.get(details.method)
-        if handler is not None:
-            return handler
-        for generic in self._generic:
-            handler = generic.service(details)
-            if handler is not None:
-                return handler
-        return None
-
     async def _lookup(self, method, metadata):
         """The handler of method through the interceptors (the first given is
         the outermost, as grpc.aio chains them)."""
