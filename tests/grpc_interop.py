@@ -160,3 +160,49 @@ def async_servicer_class():
                     yield pb.StreamingOutputCallResponse(payload=pb.Payload(body=bytes(p.size)))
 
     return AsyncTestService
+
+
+_certificates = None
+
+
+def certificates() -> dict:
+    """A test CA and server and client certificates it signed (names localhost,
+    foo.test.example, 127.0.0.1), made with the openssl command once per
+    process; PEM bytes by name: ca, server_key, server_cert, client_key,
+    client_cert, and other_ca (a CA that signed nothing here)."""
+    global _certificates
+    import subprocess
+    with _lock:
+        if _certificates is None:
+            d = tempfile.mkdtemp(prefix="fabric-tls-")
+
+            def run(*args):
+                subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+            for ca in ("ca", "other_ca"):
+                run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{ca}.key", "-out", f"{ca}.pem",
+                    "-days", "2", "-subj", f"/CN=fabric test {ca}")
+            with open(os.path.join(d, "names.ext"), "w") as f:
+                f.write("subjectAltName=DNS:localhost,DNS:foo.test.example,IP:127.0.0.1\n")
+            for who in ("server", "client"):
+                run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{who}.key", "-out", f"{who}.csr",
+                    "-subj", f"/CN=fabric test {who}")
+                run("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                    "-out", f"{who}.pem", "-days", "2", "-extfile", "names.ext")
+
+            def read(name):
+                with open(os.path.join(d, name), "rb") as f:
+                    return f.read()
+            _certificates = {"ca": read("ca.pem"), "other_ca": read("other_ca.pem"),
+                             "server_key": read("server.key"), "server_cert": read("server.pem"),
+                             "client_key": read("client.key"), "client_cert": read("client.pem")}
+        return _certificates
+
+
+def tls_credentials(server_module, client_module):
+    """(server credentials, channel credentials) for mutual TLS, each from the
+    given module (grpc or fabric.grpc)."""
+    c = certificates()
+    server = server_module.ssl_server_credentials([(c["server_key"], c["server_cert"])],
+                                                  root_certificates=c["ca"], require_client_auth=True)
+    channel = client_module.ssl_channel_credentials(c["ca"], c["client_key"], c["client_cert"])
+    return server, channel

@@ -17,12 +17,14 @@ pytest.importorskip("grpc_tools")
 import fabric  # noqa: E402
 import fabric.grpc as fgrpc  # noqa: E402
 from fabric import backends  # noqa: E402
-from grpc_interop import ECHO_INITIAL, ECHO_TRAILING, generated, servicer_class  # noqa: E402
+from grpc_interop import ECHO_INITIAL, ECHO_TRAILING, generated, servicer_class, tls_credentials  # noqa: E402
 
 pb, pb_grpc = generated()
 
 COMBOS = ["grpcio-client>fabric-server", "fabric-client>grpcio-server", "fabric>fabric-plain", "fabric>fabric+tcp",
-          "fabric>fabric+ucx", "fabric>fabric+verbs"]
+          "fabric>fabric+ucx", "fabric>fabric+verbs",
+          # mutual TLS on plain TCP
+          "grpcio-client>fabric-server-tls", "fabric-client>grpcio-server-tls", "fabric>fabric-tls"]
 if os.environ.get("FABRIC_TEST_BACKENDS") == "verbs":
     COMBOS = ["fabric>fabric+verbs"]
 BIG = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
@@ -45,6 +47,13 @@ class Deployment:
             port = self.server.add_insecure_port(f"{server_kind}://127.0.0.1:0")
             self.channel = fgrpc.insecure_channel(f"{server_kind}://127.0.0.1:{port}", options=options,
                                                   fabric=fabric.Fabric(backend))
+        elif server_kind.endswith("-tls"):
+            server_module = grpc if server_kind.startswith("grpcio") else fgrpc
+            client_module = grpc if client_kind.startswith("grpcio") else fgrpc
+            server_creds, channel_creds = tls_credentials(server_module, client_module)
+            self.server = server_module.server(pool, options=options)
+            port = self.server.add_secure_port("127.0.0.1:0", server_creds)
+            self.channel = client_module.secure_channel(f"localhost:{port}", channel_creds, options=options)
         else:
             make_server = grpc.server if server_kind == "grpcio-server" else fgrpc.server
             self.server = make_server(pool, options=options)

@@ -16,14 +16,17 @@ pytest.importorskip("grpc_tools")
 import grpc.aio  # noqa: E402
 
 import fabric  # noqa: E402
+import fabric.grpc as fgrpc  # noqa: E402
 import fabric.grpc.aio as faio  # noqa: E402
 from fabric import backends  # noqa: E402
-from grpc_interop import ECHO_INITIAL, ECHO_TRAILING, async_servicer_class, generated  # noqa: E402
+from grpc_interop import ECHO_INITIAL, ECHO_TRAILING, async_servicer_class, generated, tls_credentials  # noqa: E402
 
 pb, pb_grpc = generated()
 
 COMBOS = ["grpcio-client>fabric-server", "fabric-client>grpcio-server", "fabric>fabric-plain",
-          "fabric>fabric+tcp", "fabric>fabric+ucx", "fabric>fabric+verbs"]
+          "fabric>fabric+tcp", "fabric>fabric+ucx", "fabric>fabric+verbs",
+          # mutual TLS on plain TCP
+          "grpcio-client>fabric-server-tls", "fabric-client>grpcio-server-tls", "fabric>fabric-tls"]
 if os.environ.get("FABRIC_TEST_BACKENDS") == "verbs":
     COMBOS = ["fabric>fabric+verbs"]
 BIG = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
@@ -45,6 +48,14 @@ class Deployment:
             port = self.server.add_insecure_port(f"{server_kind}://127.0.0.1:0")
             self.channel = faio.insecure_channel(f"{server_kind}://127.0.0.1:{port}", options=options,
                                                  fabric=self.fabrics[1])
+        elif server_kind.endswith("-tls"):
+            self.fabrics = []
+            stock_server, stock_client = server_kind.startswith("grpcio"), client_kind.startswith("grpcio")
+            server_creds, channel_creds = tls_credentials(grpc if stock_server else fgrpc, grpc if stock_client else fgrpc)
+            self.server = (grpc.aio if stock_server else faio).server(options=options)
+            port = self.server.add_secure_port("127.0.0.1:0", server_creds)
+            self.channel = (grpc.aio if stock_client else faio).secure_channel(f"localhost:{port}", channel_creds,
+                                                                               options=options)
         else:
             self.fabrics = []
             self.server = (grpc.aio.server if server_kind == "grpcio-server" else faio.server)(options=options)

@@ -13,6 +13,8 @@ command -v ip >/dev/null || need+=(iproute2)
 command -v pkg-config >/dev/null || need+=(pkg-config)
 # clang builds the sanitizer-instrumented copy the fuzz tests run (tools/fuzz.py)
 command -v clang >/dev/null || command -v clang-14 >/dev/null || need+=(clang)
+# the openssl command: the TLS tests make their certificates with it
+command -v openssl >/dev/null || need+=(openssl)
 # Debian's UCX (1.13): a second UCX for the soname-clash test and for
 # FABRIC_UCX=system builds.
 dpkg -s libucx-dev >/dev/null 2>&1 || need+=(libucx-dev)

@@ -21,7 +21,7 @@ import h2.exceptions
 import h2.settings
 
 from fabric import errors
-from fabric.grpc import _wire
+from fabric.grpc import _tls, _wire
 from fabric.grpc._http2 import (CONNECTION_WINDOW, MAX_CONCURRENT_STREAMS, MAX_FRAME, MAX_HEADER_LIST,
                                 PROMPT_WINDOW_UPDATE, QUEUED_HIGH_WATER, STREAM_WINDOW, ConnectionFailed,
                                 _encoding_header, _MemoHpack)
@@ -43,8 +43,13 @@ class SocketTransport:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
                 pass
-        peer = writer.get_extra_info("peername") or ("?", 0)
-        self.peer_address = f"[{peer[0]}]:{peer[1]}" if ":" in str(peer[0]) else f"{peer[0]}:{peer[1]}"
+        self.peer_address = _wire.format_address(writer.get_extra_info("peername") or ("?", 0))
+        self.tls = writer.get_extra_info("ssl_object")         # None on plain TCP
+        if self.tls is not None:
+            _tls.check_alpn(self.tls)
+
+    def auth_context(self) -> dict:
+        return _tls.auth_context(self.tls) if self.tls is not None else {}
 
     async def read(self):
         try:

@@ -10,7 +10,7 @@ from concurrent import futures
 
 import grpc
 
-from fabric.grpc import _http2, _transport, _wire
+from fabric.grpc import _http2, _tls, _transport, _wire
 
 USER_AGENT = b"fabric-grpc/0.1"
 
@@ -120,9 +120,14 @@ class _Call(grpc.Call, grpc.Future):
             conn = self._channel._connection(self._deadline, self._wait_for_ready)
         except Exception:
             return self._start(end_stream=False)          # reports the failure
-        with conn.cork():
-            if self._start(end_stream=False):
-                self._send(request, serializer, end_stream=True)
+        try:
+            with conn.cork():
+                if self._start(end_stream=False):
+                    self._send(request, serializer, end_stream=True)
+        except _http2.ConnectionFailed as e:          # the corked write failed: the peer is gone
+            self._settle()
+            if self._code is None:
+                self._abort(grpc.StatusCode.UNAVAILABLE, f"connection lost: {e}")
 
     def _start(self, end_stream: bool):
         headers = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", self._method.encode()),
@@ -612,15 +617,23 @@ class Channel(grpc.Channel):
     accepted and ignored.
     """
 
-    def __init__(self, target: str, options=None, compression=None, fabric=None):
-        _transport.parse_target(target)            # fail early on a bad target
+    def __init__(self, target: str, options=None, compression=None, fabric=None, credentials=None):
+        backend, host, port = _transport.parse_target(target)        # fail early on a bad target
         opts = _options_dict(options)
         self._target = target
         self._fabric = fabric
         self._max_send = int(opts.get("grpc.max_send_message_length", -1))
         self._max_receive = int(opts.get("grpc.max_receive_message_length", _wire.DEFAULT_MAX_RECEIVE))
-        backend, host, port = _transport.parse_target(target)
-        self._authority = str(opts.get("grpc.default_authority", f"{host}:{port}")).encode()
+        self._tls = None
+        if credentials is not None:
+            if backend is not None:
+                raise ValueError(f"secure channels are for plain TCP targets (host:port), not {target!r}: "
+                                 "fabric connections are meant for a trusted cluster network")
+            name = _tls.target_name(opts, host)
+            self._tls = (_tls.channel_credentials(credentials).context(), name)
+            if "grpc.ssl_target_name_override" in opts:
+                host = name                        # as grpcio: the override is the authority too
+        self._authority = str(opts.get("grpc.default_authority", _wire.format_address((host, port)))).encode()
         self._encoding = _wire.encoding_of(compression if compression is not None
                                            else opts.get("grpc.default_compression_algorithm"))
         self._conn = None
@@ -638,7 +651,8 @@ class Channel(grpc.Channel):
             if conn is not None and conn.alive:
                 return conn
             timeout = None if deadline is None else max(deadline - time.monotonic(), 0.001)
-            stream = _transport.open_stream(self._target, timeout if timeout is not None else 20.0, self._fabric)
+            stream = _transport.open_stream(self._target, timeout if timeout is not None else 20.0, self._fabric,
+                                            self._tls)
             fabric_stream = isinstance(stream, _transport.FabricStreamAdapter)
             self._conn = _http2.Connection(stream, client_side=True, max_receive=self._max_receive,
                                            callers_read=True, trusted_peer=fabric_stream)

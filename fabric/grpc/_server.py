@@ -11,7 +11,7 @@ import traceback
 import grpc
 import h2.errors
 
-from fabric.grpc import _http2, _transport, _wire
+from fabric.grpc import _http2, _tls, _transport, _wire
 
 
 class _Abort(Exception):
@@ -49,18 +49,19 @@ class ServicerContext(grpc.ServicerContext):
         return self._metadata
 
     def peer(self):
-        addr = getattr(self._conn.stream, "peer_address", "?")
-        scheme = "ipv6" if addr.count(":") > 1 else "ipv4"
-        return f"{scheme}:{addr}"
+        return _wire.peer_string(getattr(self._conn.stream, "peer_address", "?"))
 
     def peer_identities(self):
-        return None
+        ctx = self.auth_context()
+        key = _tls.peer_identity_key(ctx)
+        return None if key is None else ctx[key]
 
     def peer_identity_key(self):
-        return None
+        return _tls.peer_identity_key(self.auth_context())
 
     def auth_context(self):
-        return {}
+        of = getattr(self._conn.stream, "auth_context", None)
+        return of() if of is not None else {}
 
     def time_remaining(self):
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
@@ -329,7 +330,14 @@ class Server(HandlerRegistry, grpc.Server):
         return listener.port
 
     def add_secure_port(self, address, server_credentials):
-        raise NotImplementedError("fabric.grpc does not implement TLS; use add_insecure_port")
+        """Listen with TLS on address (host:port); server_credentials from
+        fabric.grpc.ssl_server_credentials. Returns the port bound."""
+        context = _tls.server_credentials(server_credentials).context()
+        listener = _transport.open_listener(address, self._fabric, tls_context=context)
+        self._listeners.append(listener)
+        if self._started:
+            self._start_listener(listener)
+        return listener.port
 
     # -- lifecycle
     def start(self):
@@ -344,9 +352,10 @@ class Server(HandlerRegistry, grpc.Server):
                          name="fabric-grpc-accept").start()
 
     def _accept_loop(self, listener):
+        secure = getattr(listener, "tls_context", None) is not None
         while not self._shutdown_started:
             try:
-                stream = listener.accept()
+                stream = listener.accept_socket() if secure else listener.accept()
             except Exception:
                 if self._shutdown_started:
                     return
@@ -355,16 +364,36 @@ class Server(HandlerRegistry, grpc.Server):
             if self._shutdown_started:
                 stream.close()
                 return
-            try:
-                conn = _http2.Connection(stream, client_side=False, max_receive=self._max_receive,
-                                         trusted_peer=isinstance(stream, _transport.FabricStreamAdapter),
-                                         on_request=self._on_request, on_close=self._on_conn_close,
-                                         name="fabric-grpc-server")
-            except Exception:
-                stream.close()
-                continue
-            with self._lock:
+            if secure:                    # each TLS handshake in its own thread, bounded in time
+                threading.Thread(target=self._handshake, args=(listener, stream), daemon=True,
+                                 name="fabric-grpc-tls-handshake").start()
+            else:
+                self._serve_stream(stream)
+
+    def _handshake(self, listener, sock):
+        try:
+            stream = listener.handshake(sock)
+        except Exception:                 # noqa: BLE001 - a bad or slow client costs only its connection
+            return
+        if self._shutdown_started:
+            stream.close()
+            return
+        self._serve_stream(stream)
+
+    def _serve_stream(self, stream):
+        try:
+            conn = _http2.Connection(stream, client_side=False, max_receive=self._max_receive,
+                                     trusted_peer=isinstance(stream, _transport.FabricStreamAdapter),
+                                     on_request=self._on_request, on_close=self._on_conn_close,
+                                     name="fabric-grpc-server")
+        except Exception:                 # noqa: BLE001 - that connection only
+            stream.close()
+            return
+        with self._lock:
+            if not self._shutdown_started:
                 self._connections.add(conn)
+                return
+        conn.close(graceful=False)        # stop() began while this one was being set up
 
     def _on_conn_close(self, conn):
         with self._lock:

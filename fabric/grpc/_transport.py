@@ -7,9 +7,11 @@ from __future__ import annotations
 import select
 import socket
 import threading
+import time
 
 import fabric
 from fabric import errors
+from fabric.grpc import _tls, _wire
 
 SCHEMES = ("fabric", "fabric+auto", "fabric+tcp", "fabric+ucx", "fabric+verbs", "fabric+softroce")
 READ_SIZE = 256 * 1024
@@ -55,8 +57,8 @@ class SocketStream:
         self._poll.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
         self._closed = False
         try:
-            self.local_address = "%s:%d" % sock.getsockname()[:2]
-            self.peer_address = "%s:%d" % sock.getpeername()[:2]
+            self.local_address = _wire.format_address(sock.getsockname())
+            self.peer_address = _wire.format_address(sock.getpeername())
         except OSError:
             self.local_address = self.peer_address = "?"
 
@@ -155,34 +157,63 @@ def shared_fabric(backend: str) -> fabric.Fabric:
         return fab
 
 
-def open_stream(target: str, timeout: float | None, fab: fabric.Fabric | None = None):
+def open_stream(target: str, timeout: float | None, fab: fabric.Fabric | None = None, tls=None):
+    """A connected byte stream to target; tls: (ssl context, server name) for
+    a TLS connection (plain TCP targets only)."""
     backend, host, port = parse_target(target)
     if backend is None:
+        start = time.monotonic()
         try:
             sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as e:
             raise errors.ConnectionLost(f"connect to {host}:{port} failed: {e}") from None
         sock.settimeout(None)
-        return SocketStream(sock)
+        if tls is None:
+            return SocketStream(sock)
+        context, name = tls
+        left = _tls.HANDSHAKE_TIMEOUT if timeout is None else max(timeout - (time.monotonic() - start), 0.001)
+        try:
+            return _tls.TlsSocketStream(sock, context, server_side=False, server_hostname=name, timeout=left)
+        except BaseException:
+            sock.close()
+            raise
+    if tls is not None:
+        raise ValueError(f"TLS is for plain TCP targets (host:port), not {target!r}: fabric connections "
+                         "are meant for a trusted cluster network")
     fab = fab or shared_fabric(backend)
     addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     return FabricStreamAdapter(fab.connect_stream(addr, timeout=timeout))
 
 
 class SocketListener:
-    def __init__(self, host: str, port: int):
+    """A TCP listener; with a TLS context, accept_socket() gives the raw
+    connection and handshake() makes it a TLS stream (in the caller's
+    thread, so one slow handshake does not hold up the others)."""
+
+    def __init__(self, host: str, port: int, tls_context=None):
+        self.tls_context = tls_context
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if family == socket.AF_INET6 and host in ("::", ""):
             self.sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         self.sock.bind((host, port))
-        self.sock.listen(128)
+        self.sock.listen(1024)
         self.port = self.sock.getsockname()[1]
 
-    def accept(self):
+    def accept_socket(self):
         conn, _ = self.sock.accept()
-        return SocketStream(conn)
+        return conn
+
+    def accept(self):
+        return SocketStream(self.accept_socket())
+
+    def handshake(self, conn):
+        try:
+            return _tls.TlsSocketStream(conn, self.tls_context, server_side=True)
+        except BaseException:
+            conn.close()
+            raise
 
     def close(self):
         try:
@@ -206,8 +237,11 @@ class FabricListener:
         self.listener.close()
 
 
-def open_listener(address: str, fab=None):
+def open_listener(address: str, fab=None, tls_context=None):
     backend, host, port = parse_target(address)
     if backend is None:
-        return SocketListener(host, port)
+        return SocketListener(host, port, tls_context)
+    if tls_context is not None:
+        raise ValueError(f"TLS is for plain TCP addresses (host:port), not {address!r}: fabric connections "
+                         "are meant for a trusted cluster network")
     return FabricListener(backend, host, port, fab)

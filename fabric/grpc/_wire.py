@@ -322,3 +322,15 @@ def status_of(headers: dict) -> tuple[grpc.StatusCode, str]:
     except ValueError:
         return grpc.StatusCode.UNKNOWN, f"malformed grpc-status {raw!r}"
     return code, decode_message_text(headers.get(b"grpc-message", b""))
+
+
+def format_address(addr) -> str:
+    """host:port or [v6]:port of a socket address, the form peer() prefixes
+    with ipv4: / ipv6: as grpcio does."""
+    host, port = addr[0], addr[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def peer_string(address: str) -> str:
+    """grpcio's context.peer(): ipv4:host:port or ipv6:[host]:port."""
+    return f"ipv6:{address}" if address.startswith("[") else f"ipv4:{address}"

@@ -22,6 +22,7 @@ import asyncio
 import collections
 import inspect
 import socket
+import ssl
 import time
 
 import grpc
@@ -29,13 +30,13 @@ import grpc.aio
 from grpc.aio import EOF, AioRpcError, Metadata
 
 from fabric import errors
-from fabric.grpc import _transport, _wire
+from fabric.grpc import _tls, _transport, _wire
 from fabric.grpc._aio_http2 import AioConnection, FabricTransport, SocketTransport
 from fabric.grpc._channel import USER_AGENT, _options_dict
 from fabric.grpc._http2 import ConnectionFailed
 from fabric.grpc._server import HandlerCallDetails, HandlerRegistry
 
-__all__ = ["insecure_channel", "server", "Channel", "Server", "ServicerContext", "AioRpcError", "EOF",
+__all__ = ["insecure_channel", "secure_channel", "server", "Channel", "Server", "ServicerContext", "AioRpcError", "EOF",
            "Metadata"]
 
 _CANCELLED_DETAILS = "Locally cancelled by application!"
@@ -49,16 +50,29 @@ def _fabric_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-async def _open_transport(target: str, timeout, fab):
+async def _open_transport(target: str, timeout, fab, tls=None):
+    """(transport, trusted) to target; tls: (ssl context, server name) for TLS
+    on a plain TCP target."""
     backend, host, port = _transport.parse_target(target)
     if backend is None:
+        kwargs = {} if tls is None else {"ssl": tls[0], "server_hostname": tls[1],
+                                         "ssl_handshake_timeout": _tls.HANDSHAKE_TIMEOUT}
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, **kwargs), timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"connect to {host}:{port} timed out") from None
-        except OSError as e:
+        except ssl.SSLCertVerificationError as e:
+            raise errors.ConnectionLost(f"TLS certificate verification failed: {e.verify_message}") from None
+        except (OSError, ssl.SSLError) as e:
             raise errors.ConnectionLost(f"connect to {host}:{port} failed: {e}") from None
-        return SocketTransport(reader, writer), False
+        try:
+            return SocketTransport(reader, writer), False
+        except errors.FabricError:
+            writer.close()
+            raise
+    if tls is not None:
+        raise ValueError(f"secure channels are for plain TCP targets (host:port), not {target!r}: "
+                         "fabric connections are meant for a trusted cluster network")
     fab = fab or _transport.shared_fabric(backend)
     stream = await fab.aconnect_stream(_fabric_address(host, port), timeout=timeout)
     return FabricTransport(stream), True
@@ -712,7 +726,8 @@ class StreamStreamMultiCallable(_StreamingRequests, grpc.aio.StreamStreamMultiCa
 class Channel(grpc.aio.Channel):
     """fabric.grpc.aio.insecure_channel(target, options=None, compression=None)."""
 
-    def __init__(self, target: str, options=None, compression=None, interceptors=None, fabric=None):
+    def __init__(self, target: str, options=None, compression=None, interceptors=None, fabric=None,
+                 credentials=None):
         backend, host, port = _transport.parse_target(target)
         for interceptor in interceptors or ():
             if not isinstance(interceptor, grpc.aio.ClientInterceptor):        # as grpc.aio checks
@@ -730,7 +745,16 @@ class Channel(grpc.aio.Channel):
         self._fabric = fabric
         self._max_send = int(opts.get("grpc.max_send_message_length", -1))
         self._max_receive = int(opts.get("grpc.max_receive_message_length", _wire.DEFAULT_MAX_RECEIVE))
-        self._authority = str(opts.get("grpc.default_authority", f"{host}:{port}")).encode()
+        self._tls = None
+        if credentials is not None:
+            if backend is not None:
+                raise ValueError(f"secure channels are for plain TCP targets (host:port), not {target!r}: "
+                                 "fabric connections are meant for a trusted cluster network")
+            name = _tls.target_name(opts, host)
+            self._tls = (_tls.channel_credentials(credentials).context(), name)
+            if "grpc.ssl_target_name_override" in opts:
+                host = name                        # as grpcio: the override is the authority too
+        self._authority = str(opts.get("grpc.default_authority", _wire.format_address((host, port)))).encode()
         self._encoding = _wire.encoding_of(compression if compression is not None
                                            else opts.get("grpc.default_compression_algorithm"))
         self._conn = None
@@ -761,7 +785,7 @@ class Channel(grpc.aio.Channel):
     async def _connect(self, deadline):
         loop = asyncio.get_running_loop()
         timeout = 20.0 if deadline is None else max(deadline - loop.time(), 0.001)
-        transport, fabric_stream = await _open_transport(self._target, timeout, self._fabric)
+        transport, fabric_stream = await _open_transport(self._target, timeout, self._fabric, self._tls)
         self._conn = AioConnection(transport, client_side=True, max_receive=self._max_receive,
                                    trusted_peer=fabric_stream)
         return self._conn
@@ -860,18 +884,19 @@ class ServicerContext(grpc.aio.ServicerContext):
         return self._metadata            # a tuple of (key, value), as grpc.aio's servers give it
 
     def peer(self):
-        addr = getattr(self._conn.transport, "peer_address", "?")
-        scheme = "ipv6" if addr.count(":") > 1 else "ipv4"
-        return f"{scheme}:{addr}"
+        return _wire.peer_string(getattr(self._conn.transport, "peer_address", "?"))
 
     def peer_identities(self):
-        return None
+        ctx = self.auth_context()
+        key = _tls.peer_identity_key(ctx)
+        return None if key is None else ctx[key]
 
     def peer_identity_key(self):
-        return None
+        return _tls.peer_identity_key(self.auth_context())
 
     def auth_context(self):
-        return {}
+        of = getattr(self._conn.transport, "auth_context", None)
+        return of() if of is not None else {}
 
     def time_remaining(self):
         return None if self._deadline is None else max(0.0, self._deadline - self._loop.time())
@@ -1060,7 +1085,7 @@ class Server(HandlerRegistry, grpc.aio.Server):
                                            else opts.get("grpc.default_compression_algorithm"))
         self._max_concurrent = maximum_concurrent_rpcs
         self._fabric = fabric
-        self._ports = []                 # (kind, listening object) bound at add_*_port
+        self._ports = []                 # (kind, listening object, TLS context) bound at add_*_port
         self._serving = []               # asyncio servers and accept tasks
         self._connections = set()
         self._closed_reasons = collections.deque(maxlen=16)
@@ -1073,24 +1098,32 @@ class Server(HandlerRegistry, grpc.aio.Server):
     def add_insecure_port(self, address: str) -> int:
         """Bind now (host:port plain TCP, or fabric[+backend]://host:port);
         returns the port (useful with port 0)."""
+        return self._add_port(address, None)
+
+    def add_secure_port(self, address, server_credentials) -> int:
+        """Bind now, TLS on plain TCP (host:port); server_credentials from
+        fabric.grpc.ssl_server_credentials. Returns the port."""
+        return self._add_port(address, _tls.server_credentials(server_credentials).context())
+
+    def _add_port(self, address: str, tls_context) -> int:
         backend, host, port = _transport.parse_target(address)
+        if backend is not None and tls_context is not None:
+            raise ValueError(f"TLS is for plain TCP addresses (host:port), not {address!r}: fabric connections "
+                             "are meant for a trusted cluster network")
         if backend is None:
             sock = socket.create_server((host or "0.0.0.0", port), family=socket.AF_INET6 if ":" in host
                                         else socket.AF_INET, backlog=1024, reuse_port=False)
             sock.setblocking(False)
-            self._ports.append(("socket", sock))
+            self._ports.append(("socket", sock, tls_context))
             bound = sock.getsockname()[1]
         else:
             fab = self._fabric or _transport.shared_fabric(backend)
             listener = fab.listen_stream(_fabric_address(host, port))
-            self._ports.append(("fabric", listener))
+            self._ports.append(("fabric", listener, None))
             bound = int(listener.address.rsplit(":", 1)[1])
-        if self._started:
-            self._serve_port(*self._ports[-1])
+        if self._started:                     # serve it too (from within the running loop)
+            asyncio.get_running_loop().create_task(self._serve_port(*self._ports[-1]))
         return bound
-
-    def add_secure_port(self, address, server_credentials):
-        raise NotImplementedError("fabric.grpc.aio does not implement TLS yet; use add_insecure_port")
 
     # -- lifecycle
     async def start(self):
@@ -1098,15 +1131,22 @@ class Server(HandlerRegistry, grpc.aio.Server):
             raise grpc.aio.UsageError("server already started")
         self._started = True
         self._stopped = asyncio.get_running_loop().create_future()
-        for kind, obj in self._ports:
-            await self._serve_port(kind, obj)
+        for kind, obj, tls_context in self._ports:
+            await self._serve_port(kind, obj, tls_context)
 
-    async def _serve_port(self, kind, obj):
+    async def _serve_port(self, kind, obj, tls_context=None):
         loop = asyncio.get_running_loop()
         if kind == "socket":
             async def on_client(reader, writer):
-                self._attach(SocketTransport(reader, writer), trusted=False)
-            self._serving.append(await asyncio.start_server(on_client, sock=obj))
+                try:
+                    transport = SocketTransport(reader, writer)
+                except errors.FabricError:           # e.g. TLS without ALPN h2: that client only
+                    writer.close()
+                    return
+                self._attach(transport, trusted=False)
+            tls = {} if tls_context is None else {"ssl": tls_context,
+                                                  "ssl_handshake_timeout": _tls.HANDSHAKE_TIMEOUT}
+            self._serving.append(await asyncio.start_server(on_client, sock=obj, **tls))
         else:
             self._serving.append(loop.create_task(self._accept_fabric(obj)))
 
@@ -1142,7 +1182,7 @@ class Server(HandlerRegistry, grpc.aio.Server):
                 s.cancel()
             else:
                 s.close()
-        for kind, obj in self._ports:
+        for kind, obj, _ in self._ports:
             try:
                 obj.close()
             except (OSError, errors.FabricError):
@@ -1312,6 +1352,12 @@ class Server(HandlerRegistry, grpc.aio.Server):
 def insecure_channel(target, options=None, compression=None, interceptors=None, fabric=None) -> Channel:
     """A grpc.aio.Channel to target (host:port, or fabric[+backend]://host:port)."""
     return Channel(target, options, compression, interceptors, fabric)
+
+
+def secure_channel(target, credentials, options=None, compression=None, interceptors=None) -> Channel:
+    """A grpc.aio.Channel over TLS to target (host:port); credentials from
+    grpc.ssl_channel_credentials or fabric.grpc.ssl_channel_credentials."""
+    return Channel(target, options, compression, interceptors, None, credentials)
 
 
 def server(migration_thread_pool=None, handlers=None, interceptors=None, options=None,
