@@ -14,58 +14,13 @@ pytest.importorskip("h2")
 
 import fabric.grpc as fgrpc  # noqa: E402
 from fabric.grpc import _wire  # noqa: E402
+from tcp_proxy import Proxy  # noqa: E402
 
 METHOD = "/drop.in/Call"
 STREAM_IN = "/drop.in/StreamIn"
 
 # (client, server): the reference pair (stock to stock) shows what grpcio does
 PAIRS = ["grpcio>fabric", "fabric>grpcio", "fabric>fabric", "grpcio>grpcio"]
-
-
-class Proxy:
-    """A TCP relay between a client and a server on loopback that counts the
-    bytes each way (what compression saves is measured on the wire)."""
-
-    def __init__(self, port):
-        self.target = port
-        self.lst = socket.create_server(("127.0.0.1", 0))
-        self.port = self.lst.getsockname()[1]
-        self.up = self.down = 0
-        self.socks = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while True:
-            try:
-                a, _ = self.lst.accept()
-            except OSError:
-                return
-            b = socket.create_connection(("127.0.0.1", self.target))
-            self.socks += [a, b]
-            threading.Thread(target=self._pump, args=(a, b, "up"), daemon=True).start()
-            threading.Thread(target=self._pump, args=(b, a, "down"), daemon=True).start()
-
-    def _pump(self, src, dst, direction):
-        try:
-            while True:
-                data = src.recv(1 << 16)
-                if not data:
-                    break
-                setattr(self, direction, getattr(self, direction) + len(data))
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self):
-        self.lst.close()
-        for s in self.socks:
-            s.close()
 
 
 class Deployment:

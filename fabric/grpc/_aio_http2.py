@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import struct
 
 import grpc
 import h2.config
@@ -21,10 +22,11 @@ import h2.exceptions
 import h2.settings
 
 from fabric import errors
-from fabric.grpc import _tls, _wire
+from fabric.grpc import _keepalive, _tls, _wire
 from fabric.grpc._http2 import (CONNECTION_WINDOW, MAX_CONCURRENT_STREAMS, MAX_FRAME, MAX_HEADER_LIST,
                                 PROMPT_WINDOW_UPDATE, QUEUED_HIGH_WATER, STREAM_WINDOW, ConnectionFailed,
-                                _encoding_header, _MemoHpack)
+                                GOAWAY_ACK_WAIT, GOAWAY_PING, LINGER, _encoding_header, _MemoHpack,
+                                keep_streams_open_on_goaway, reopen_after_goaway)
 
 READ_SIZE = 1 << 20
 SMALL_MESSAGE = 64 << 10            # up to this, prefix and message go out as one DATA frame
@@ -66,6 +68,16 @@ class SocketTransport:
             await self.writer.drain()
         except (ConnectionError, OSError) as e:
             raise ConnectionFailed(f"write failed: {e}") from None
+
+    def shutdown_write(self) -> bool:
+        """FIN (reading goes on until the peer closes); False if impossible."""
+        try:
+            if self.writer.can_write_eof() and not self.writer.is_closing():
+                self.writer.write_eof()
+                return True
+        except (OSError, RuntimeError):
+            pass
+        return False
 
     def close(self) -> None:
         self.writer.close()
@@ -228,7 +240,8 @@ class AioStream:
 
 class AioConnection:
     def __init__(self, transport, client_side: bool, max_receive: int = _wire.DEFAULT_MAX_RECEIVE,
-                 on_request=None, on_close=None, trusted_peer: bool = False):
+                 on_request=None, on_close=None, trusted_peer: bool = False,
+                 keepalive: _keepalive.Settings | None = None):
         self.loop = asyncio.get_running_loop()
         self.transport = transport
         self.client_side = client_side
@@ -237,13 +250,18 @@ class AioConnection:
         self.on_close = on_close
         self.calls: dict[int, AioStream] = {}
         self.dead = None
-        self.goaway_last_stream = None
+        self.goaway_last_stream = None      # the peer's GOAWAY: streams above it will not be served
+        self.goaway_sent_last = None        # ours: streams above it are refused
+        self.goaway_started = None          # when our first GOAWAY left
+        self.keepalive = None if keepalive is None else _keepalive.Keepalive(keepalive, self.loop.time())
+        self._tick_handle = None
         self.window_signal = _Signal()
         config = h2.config.H2Configuration(client_side=client_side, header_encoding=None,
                                            validate_outbound_headers=False,
                                            normalize_outbound_headers=False,
                                            validate_inbound_headers=not trusted_peer)
         self.h2 = h2.connection.H2Connection(config)
+        keep_streams_open_on_goaway(self.h2)
         self.h2.encoder = _MemoHpack(self.h2.encoder, "encode")
         self.h2.decoder = _MemoHpack(self.h2.decoder, "decode")
         codes = h2.settings.SettingCodes
@@ -259,6 +277,78 @@ class AioConnection:
         self.h2.increment_flow_control_window(CONNECTION_WINDOW - 65535)
         self._flush()
         self.reader = self.loop.create_task(self._read_loop())
+        if self.keepalive is not None and keepalive.needs_timer:
+            self._tick_handle = self.loop.call_later(0.05, self._keepalive_tick)
+
+    # ------------------------------------------------------------ keepalive and lifetime
+    def _keepalive_tick(self):
+        self._tick_handle = None
+        if self.dead is not None or self.keepalive is None:
+            return
+        now = self.loop.time()
+        ka = self.keepalive
+        if self.goaway_started is not None and self.goaway_sent_last is None and \
+                now >= self.goaway_started + GOAWAY_ACK_WAIT:
+            self._goaway_finish()                 # no ACK for our GOAWAY's PING: finish anyway
+        action, next_at = ka.tick(now, len(self.calls))
+        if action == _keepalive.FAIL:
+            self._fail(f"keepalive watchdog timeout: no PING ACK within {ka.settings.timeout:g} s")
+            return
+        if action == _keepalive.CLOSE:
+            # a FIN, then the client's own close (see _http2.Connection._close_after_goaway)
+            reason = "connection closed after GOAWAY (max connection age or idle)"
+            shutdown = getattr(self.transport, "shutdown_write", None)
+            if shutdown is None or not shutdown():
+                self._fail(reason)
+            else:
+                self.loop.call_later(LINGER, self._fail, reason)
+            return
+        if action == _keepalive.PING:
+            self.h2.ping(struct.pack(">d", now))
+            ka.ping_sent(now)
+        elif action == _keepalive.GOAWAY:
+            self.go_away()
+        if self.goaway_started is not None and self.goaway_sent_last is None:
+            next_at = min(next_at or now + 0.1, now + 0.1)
+        self._flush()
+        if next_at is not None:
+            self._tick_handle = self.loop.call_at(next_at, self._keepalive_tick)
+
+    def go_away(self) -> None:
+        """(server) GOAWAY: the open calls finish, new ones go elsewhere; in
+        two steps as fabric.grpc._http2.Connection._goaway_begin explains."""
+        if self.dead is not None or self.goaway_started is not None:
+            return
+        self.goaway_started = self.loop.time()
+        if self._send_goaway(2 ** 31 - 1):
+            self.h2.ping(GOAWAY_PING)
+            self._flush()
+        if self.keepalive is not None:
+            if self._tick_handle is not None:
+                self._tick_handle.cancel()
+            self._tick_handle = self.loop.call_later(0.1, self._keepalive_tick)     # drain, and the ACK's wait
+
+    def _goaway_finish(self) -> None:
+        if self.goaway_sent_last is not None or self.dead is not None:
+            return
+        last = self.h2.highest_inbound_stream_id
+        if self._send_goaway(last):
+            self.goaway_sent_last = last
+            if self.keepalive is not None:
+                self.keepalive.goaway_sent(self.loop.time())
+
+    def _send_goaway(self, last_stream_id) -> bool:
+        try:
+            self.h2.close_connection(last_stream_id=last_stream_id)
+        except h2.exceptions.ProtocolError:
+            return False
+        self._flush()
+        reopen_after_goaway(self.h2)
+        return True
+
+    def _sent_frames(self):
+        if self.keepalive is not None:
+            self.keepalive.frames_sent()
 
     # ------------------------------------------------------------ writing
     def _flush(self) -> None:
@@ -296,6 +386,7 @@ class AioConnection:
         self.h2.send_headers(sid, headers, end_stream=end_stream)
         if end_stream:
             call.local_closed = True
+        self._sent_frames()
         self._flush()
         return call
 
@@ -304,6 +395,7 @@ class AioConnection:
         self.h2.send_headers(call.id, headers, end_stream=end_stream)
         if end_stream:
             call.local_closed = True
+        self._sent_frames()
         self._flush()
 
     async def send_message(self, call: AioStream, payload, end_stream: bool = False, deadline=None,
@@ -311,6 +403,7 @@ class AioConnection:
         """A length-prefixed gRPC message, cut to the peer's windows."""
         view = memoryview(payload).cast("B")
         compressed = False
+        self._sent_frames()
         if encoding is not None and encoding != "identity" and view.nbytes:
             packed = _wire.compress(view, encoding)
             if len(packed) < view.nbytes:
@@ -364,6 +457,8 @@ class AioConnection:
 
     def forget(self, call: AioStream) -> None:
         self.calls.pop(call.id, None)
+        if self.client_side and self.goaway_last_stream is not None and not self.calls and self.dead is None:
+            self._fail("the server went away (GOAWAY) and no call was left")
 
     def _ack(self, call: AioStream) -> None:
         n, call.unacked = call.unacked, 0
@@ -401,6 +496,7 @@ class AioConnection:
                 for ev in events:
                     self._handle(ev)
                 self._flush()
+            self._fail(self.dead)
         except asyncio.CancelledError:
             self._fail("connection closed locally")
             raise
@@ -436,6 +532,12 @@ class AioConnection:
                 self._ack(call)
             self._notify(call)
         elif isinstance(ev, E.RequestReceived):
+            if self.goaway_sent_last is not None and ev.stream_id > self.goaway_sent_last:
+                try:                              # after our GOAWAY: the client retries elsewhere
+                    self.h2.reset_stream(ev.stream_id, error_code=h2.errors.ErrorCodes.REFUSED_STREAM)
+                except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+                    pass
+                return
             call = AioStream(self, ev.stream_id, self.max_receive)
             call.headers = ev.headers
             call.assembler.encoding = _encoding_header(ev.headers)
@@ -481,8 +583,27 @@ class AioConnection:
                     call.failure = ConnectionFailed("the server went away (GOAWAY) before this call started")
                     self._notify(call)
             if ev.error_code:
-                self.dead = f"the peer ended the connection (GOAWAY {ev.error_code!r})"
+                if ev.additional_data == _keepalive.TOO_MANY_PINGS and self.keepalive is not None:
+                    self.keepalive.told_too_many_pings()
+                self.dead = f"the peer ended the connection (GOAWAY {ev.error_code!r}" + (
+                    f" {bytes(ev.additional_data)!r})" if ev.additional_data else ")")
+            elif self.client_side and not self.calls:
+                self.loop.call_soon(self._fail, "the server went away (GOAWAY)")
             self.window_signal.notify()
+        elif isinstance(ev, E.PingAckReceived):
+            if ev.ping_data == GOAWAY_PING:
+                self._goaway_finish()
+            elif self.keepalive is not None:
+                self.keepalive.ping_acknowledged()
+        elif isinstance(ev, E.PingReceived):
+            if self.keepalive is not None and not self.client_side and \
+                    self.keepalive.ping_received(self.loop.time(), len(self.calls)):
+                try:                              # grpcio's answer to a client pinging too often
+                    self.h2.close_connection(error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM,
+                                             additional_data=_keepalive.TOO_MANY_PINGS)
+                except h2.exceptions.ProtocolError:
+                    pass
+                self.dead = "the client pinged too often (GOAWAY ENHANCE_YOUR_CALM too_many_pings)"
 
     def _fail(self, reason: str):
         first = self.dead is None or not getattr(self, "_failed", False)
@@ -495,6 +616,9 @@ class AioConnection:
             self._notify(call)
         self.window_signal.notify()
         if first:
+            if self._tick_handle is not None:
+                self._tick_handle.cancel()
+                self._tick_handle = None
             self.transport.close()
             if self.on_close is not None:
                 self.on_close(self)

@@ -10,7 +10,7 @@ from concurrent import futures
 
 import grpc
 
-from fabric.grpc import _http2, _tls, _transport, _wire
+from fabric.grpc import _http2, _keepalive, _tls, _transport, _wire
 
 USER_AGENT = b"fabric-grpc/0.1"
 
@@ -563,48 +563,6 @@ class StreamStreamMultiCallable(_MultiCallable, grpc.StreamStreamMultiCallable):
         return call
 
 
-class _Timers:
-    """One thread that fires call deadlines."""
-
-    def __init__(self):
-        import heapq
-        self._heap = []
-        self._push, self._pop = heapq.heappush, heapq.heappop
-        self._cond = threading.Condition()
-        self._seq = 0
-        self._thread = None
-        self._closed = False
-
-    def schedule(self, when: float, fn):
-        with self._cond:
-            if self._closed:
-                return
-            self._seq += 1
-            self._push(self._heap, (when, self._seq, fn))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True, name="fabric-grpc-deadlines")
-                self._thread.start()
-            self._cond.notify()
-
-    def _run(self):
-        while True:
-            with self._cond:
-                while not self._closed and (not self._heap or self._heap[0][0] > time.monotonic()):
-                    self._cond.wait(None if not self._heap else self._heap[0][0] - time.monotonic())
-                if self._closed:
-                    return
-                _, _, fn = self._pop(self._heap)
-            try:
-                fn()
-            except Exception:
-                pass
-
-    def close(self):
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-
-
 class Channel(grpc.Channel):
     """fabric.grpc.insecure_channel(target, options=None): a grpc.Channel.
 
@@ -624,6 +582,7 @@ class Channel(grpc.Channel):
         self._fabric = fabric
         self._max_send = int(opts.get("grpc.max_send_message_length", -1))
         self._max_receive = int(opts.get("grpc.max_receive_message_length", _wire.DEFAULT_MAX_RECEIVE))
+        self._keepalive = _keepalive.Settings(opts, server=False)
         self._tls = None
         if credentials is not None:
             if backend is not None:
@@ -639,7 +598,7 @@ class Channel(grpc.Channel):
         self._conn = None
         self._conn_lock = threading.Lock()
         self._closed = False
-        self._timers = _Timers()
+        self._timers = _keepalive.Timers("fabric-grpc-deadlines")
         self._pool = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="fabric-grpc-future")
         self._subscribers = []
 
@@ -648,6 +607,8 @@ class Channel(grpc.Channel):
             if self._closed:
                 raise _http2.ConnectionFailed("Channel closed!")
             conn = self._conn
+            if conn is not None:
+                conn.check_idle()
             if conn is not None and conn.alive:
                 return conn
             timeout = None if deadline is None else max(deadline - time.monotonic(), 0.001)
@@ -655,6 +616,7 @@ class Channel(grpc.Channel):
                                             self._tls)
             fabric_stream = isinstance(stream, _transport.FabricStreamAdapter)
             self._conn = _http2.Connection(stream, client_side=True, max_receive=self._max_receive,
+                                           keepalive=self._keepalive,
                                            callers_read=True, trusted_peer=fabric_stream)
             for cb in list(self._subscribers):
                 self._pool.submit(cb, grpc.ChannelConnectivity.READY)

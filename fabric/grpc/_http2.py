@@ -25,7 +25,7 @@ import h2.exceptions
 import h2.settings
 
 from fabric import errors
-from fabric.grpc import _wire
+from fabric.grpc import _keepalive, _wire
 
 STREAM_WINDOW = 64 << 20                 # per-stream receive window we offer
 CONNECTION_WINDOW = 256 << 20            # connection receive window we offer
@@ -38,6 +38,10 @@ SMALL_MESSAGE = 64 << 10                 # up to this, prefix and message go out
 FAST_DATA_MIN = 64 << 10                 # DATA frames from this size bypass h2's byte handling
 FRAME_HEADER = struct.Struct(">HBBBI")   # length (24 bits as H+B), type, flags, stream id
 DATA, END_STREAM_FLAG, PADDED_FLAG = 0x0, 0x1, 0x8
+LINGER = 2.0                             # seconds a closing connection waits for the peer's close
+IDLE_CHECK_AFTER = 0.05                  # seconds without reading before a call checks the connection
+GOAWAY_PING = b"fgoaway!"                # opaque data of the PING between our two GOAWAYs
+GOAWAY_ACK_WAIT = 1.0                    # seconds we wait for its ACK before the final GOAWAY
 
 
 def frame_header(length: int, ftype: int, flags: int, stream_id: int) -> bytes:
@@ -234,10 +238,40 @@ class CallStream:
                 pass
 
 
+def reopen_after_goaway(conn: h2.connection.H2Connection) -> None:
+    """h2 moves to CLOSED when it sends or receives GOAWAY, and then refuses
+    every later frame, also those of the calls the GOAWAY lets finish
+    (RFC 9113 6.8): a stock server's graceful GOAWAY (max connection age,
+    stop with grace) would fail them all. Back to OPEN; the caller keeps the
+    GOAWAY's rule (no new streams, or none above its last stream id)."""
+    machine = getattr(conn, "state_machine", None)
+    if machine is not None and machine.state == h2.connection.ConnectionState.CLOSED:
+        machine.state = (h2.connection.ConnectionState.CLIENT_OPEN if conn.config.client_side
+                         else h2.connection.ConnectionState.SERVER_OPEN)
+
+
+def keep_streams_open_on_goaway(conn: h2.connection.H2Connection) -> None:
+    """Reopen as soon as h2 has taken a graceful (NO_ERROR) GOAWAY, before it
+    reads the frames after it in the same read (h2 internals; without them
+    a GOAWAY ends the calls it should let finish, as before)."""
+    from hyperframe.frame import GoAwayFrame
+    table = getattr(conn, "_frame_dispatch_table", None)
+    if not isinstance(table, dict) or GoAwayFrame not in table:
+        return
+    original = table[GoAwayFrame]
+
+    def receive_goaway(frame):
+        result = original(frame)
+        if frame.error_code == 0:
+            reopen_after_goaway(conn)
+        return result
+    table[GoAwayFrame] = receive_goaway
+
+
 class Connection:
     def __init__(self, stream, client_side: bool, max_receive: int = _wire.DEFAULT_MAX_RECEIVE,
                  on_request=None, on_close=None, name: str = "fabric.grpc", callers_read: bool = False,
-                 trusted_peer: bool = False):
+                 trusted_peer: bool = False, keepalive: _keepalive.Settings | None = None):
         self.stream = stream
         self.client_side = client_side
         self.max_receive = max_receive
@@ -251,7 +285,11 @@ class Connection:
         self.pending = []
         self.calls: dict[int, CallStream] = {}
         self.dead = None                    # reason, once failed
-        self.goaway_last_stream = None
+        self.goaway_last_stream = None      # the peer's GOAWAY: streams above it will not be served
+        self.goaway_sent_last = None        # ours: streams above it are refused
+        self.goaway_started = None          # when our first GOAWAY left
+        self.last_read = time.monotonic()
+        self.keepalive = None if keepalive is None else _keepalive.Keepalive(keepalive, time.monotonic())
         self._local = threading.local()
         # Outbound headers are built by fabric.grpc itself (lowercase names, no
         # connection-specific fields), so h2 need not re-check them (that
@@ -263,6 +301,7 @@ class Connection:
                                            normalize_outbound_headers=False,
                                            validate_inbound_headers=not trusted_peer)
         self.h2 = h2.connection.H2Connection(config)
+        keep_streams_open_on_goaway(self.h2)
         self.h2.encoder = _MemoHpack(self.h2.encoder, "encode")
         self.h2.decoder = _MemoHpack(self.h2.decoder, "decode")
         self.fast_data = fast_data_supported(self.h2)
@@ -298,6 +337,138 @@ class Connection:
         if not self.callers_read:
             self.reader_thread = threading.Thread(target=self._read_loop, name=f"{name}-reader", daemon=True)
             self.reader_thread.start()
+        self._tick_generation = 0
+        if self.keepalive is not None and keepalive.needs_timer:
+            self._schedule_tick(time.monotonic() + 0.05)
+
+    # ------------------------------------------------------------ keepalive and lifetime
+    def _close_after_goaway(self):
+        """No call left after our GOAWAY: end the connection with a FIN, not
+        a close: closing a socket with unread input (the client's last
+        WINDOW_UPDATE, say) sends RST, and a RST makes the client's kernel
+        drop the responses it has not read yet. The reader sees the client's
+        own close (or the time runs out) and fails the connection then."""
+        reason = "connection closed after GOAWAY (max connection age or idle)"
+        shutdown = getattr(self.stream, "shutdown_write", None)
+        if shutdown is None:                  # a fabric stream: its own close protocol
+            try:
+                self.flush(block=True)
+            except ConnectionFailed:
+                pass
+            self._fail(reason)
+            return
+        try:
+            self.flush(block=True)
+            shutdown()
+        except (ConnectionFailed, errors.FabricError, OSError):
+            self._fail(reason)
+            return
+        _keepalive.shared_timers().schedule(time.monotonic() + LINGER, lambda: self._fail(reason))
+
+    def _schedule_tick(self, when):
+        """The next tick replaces any scheduled one."""
+        self._tick_generation += 1
+        generation = self._tick_generation
+        _keepalive.shared_timers().schedule(when, lambda: self._keepalive_tick(generation))
+
+    def _keepalive_tick(self, generation):
+        """(timer thread) Pings, their watchdog, max age and idle."""
+        if self.dead is not None or generation != self._tick_generation or self.keepalive is None:
+            return
+        if self.callers_read and self.read_lock.acquire(blocking=False):
+            try:                              # nobody waits on a call: read what came (a PING ACK)
+                self.reader.step(0)
+            finally:
+                self.read_lock.release()
+        now = time.monotonic()
+        with self.lock:
+            if self.dead is not None:
+                return
+            ka = self.keepalive
+            if self.goaway_started is not None and self.goaway_sent_last is None and \
+                    now >= self.goaway_started + GOAWAY_ACK_WAIT:
+                self._goaway_finish()             # no ACK for our GOAWAY's PING: finish anyway
+            action, next_at = ka.tick(now, len(self.calls))
+            if action == _keepalive.PING:
+                self.h2.ping(struct.pack(">d", now))
+                ka.ping_sent(now)
+                self._queue()
+            elif action == _keepalive.GOAWAY:
+                self._goaway_begin()
+            if self.goaway_started is not None and self.goaway_sent_last is None:
+                next_at = min(next_at or now + 0.1, now + 0.1)
+        if action == _keepalive.FAIL:
+            self._fail(f"keepalive watchdog timeout: no PING ACK within {ka.settings.timeout:g} s")
+            return
+        if action == _keepalive.CLOSE:
+            self._close_after_goaway()
+            return
+        self.flush(block=False)
+        if self.callers_read and ka.ping_outstanding is not None:
+            # no reader thread: look for the ACK soon (a waiting caller may read it first)
+            next_at = now + 0.05 if next_at is None else min(next_at, now + 0.05)
+        if next_at is not None:
+            with self.lock:
+                self._schedule_tick(next_at)
+
+    def go_away(self) -> None:
+        """(server) GOAWAY: the open calls finish, new ones go elsewhere."""
+        with self.lock:
+            self._goaway_begin()
+        self.flush(block=False)
+
+    def _goaway_begin(self):
+        """(lock held) A graceful GOAWAY in two steps, as gRPC servers do:
+        first one that names no last stream (stop opening calls here) with a
+        PING; once its ACK is back, every call the client opened before it
+        saw the GOAWAY has arrived, and the final GOAWAY names the last one.
+        A single GOAWAY would refuse calls already on their way."""
+        if self.dead is not None or self.goaway_started is not None:
+            return
+        self.goaway_started = time.monotonic()
+        if self._send_goaway(2 ** 31 - 1):
+            self.h2.ping(GOAWAY_PING)
+            self._queue()
+        if self.keepalive is not None:
+            self._schedule_tick(self.goaway_started + 0.1)     # drain, and the ACK's wait
+
+    def _goaway_finish(self):
+        """(lock held) The final GOAWAY: streams above the last one we have are refused."""
+        if self.goaway_sent_last is not None or self.dead is not None:
+            return
+        last = self.h2.highest_inbound_stream_id
+        if self._send_goaway(last):
+            self.goaway_sent_last = last
+            if self.keepalive is not None:
+                self.keepalive.goaway_sent(time.monotonic())
+
+    def _send_goaway(self, last_stream_id) -> bool:
+        """(lock held) GOAWAY while the open calls finish: h2 moves to CLOSED
+        when it sends GOAWAY and would refuse their remaining frames, so its
+        state goes back to OPEN; the GOAWAY's rule is kept here."""
+        try:
+            self.h2.close_connection(last_stream_id=last_stream_id)
+        except h2.exceptions.ProtocolError:
+            return False
+        self._queue()
+        reopen_after_goaway(self.h2)
+        return True
+
+    def _sent_frames(self):
+        """(lock held) HEADERS or DATA leave: pings are due again, strikes forgiven."""
+        if self.keepalive is not None:
+            self.keepalive.frames_sent()
+
+    def check_idle(self) -> None:
+        """Before a call on a connection nobody has read for a while (no
+        reader thread): take what came meanwhile, so a GOAWAY or a close
+        by the server (idle or age limits) is seen before we send on it."""
+        if self.callers_read and self.dead is None and time.monotonic() - self.last_read > IDLE_CHECK_AFTER \
+                and self.read_lock.acquire(blocking=False):
+            try:
+                self.reader.step(0)
+            finally:
+                self.read_lock.release()
 
     # ------------------------------------------------------------ waiting
     def await_(self, predicate, deadline: float | None) -> bool:
@@ -425,6 +596,7 @@ class Connection:
             call = CallStream(self, sid, self.max_receive)
             self.calls[sid] = call
             self.h2.send_headers(sid, headers, end_stream=end_stream)
+            self._sent_frames()
             self._queue()
         self._flush_app()
         return call
@@ -435,6 +607,7 @@ class Connection:
             self.h2.send_headers(call.id, headers, end_stream=end_stream)
             if end_stream:
                 call.local_closed = True
+            self._sent_frames()
             self._queue()
         self._flush_app()
 
@@ -453,6 +626,8 @@ class Connection:
         size; compressed with encoding (gzip, deflate) when that makes it smaller."""
         view = memoryview(payload).cast("B")
         compressed = False
+        if self.keepalive is not None:
+            self.keepalive.frames_sent()
         if encoding is not None and encoding != "identity" and view.nbytes:
             packed = _wire.compress(view, encoding)
             if len(packed) < view.nbytes:
@@ -599,6 +774,10 @@ class Connection:
     def forget(self, call: CallStream) -> None:
         with self.lock:
             self.calls.pop(call.id, None)
+            drained = self.client_side and self.goaway_last_stream is not None and not self.calls \
+                and self.dead is None
+        if drained:                           # the server said GOAWAY and our last call is over
+            self._fail("the server went away (GOAWAY) and no call was left")
 
     # ------------------------------------------------------------ reading
     def _read_loop(self):
@@ -743,6 +922,12 @@ class Connection:
                 self.ack(call)
             self._notify(call, callbacks)
         elif isinstance(ev, E.RequestReceived):
+            if self.goaway_sent_last is not None and ev.stream_id > self.goaway_sent_last:
+                try:                              # after our GOAWAY: the client retries elsewhere
+                    self.h2.reset_stream(ev.stream_id, error_code=h2.errors.ErrorCodes.REFUSED_STREAM)
+                except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+                    pass
+                return
             call = CallStream(self, ev.stream_id, self.max_receive)
             call.headers = ev.headers
             call.assembler.encoding = _encoding_header(ev.headers)
@@ -788,8 +973,29 @@ class Connection:
                     call.failure = ConnectionFailed("the server went away (GOAWAY) before this call started")
                     self._notify(call, callbacks)
             if ev.error_code:
-                self.dead = f"the peer ended the connection (GOAWAY {ev.error_code!r})"
+                if ev.additional_data == _keepalive.TOO_MANY_PINGS and self.keepalive is not None:
+                    self.keepalive.told_too_many_pings()
+                self.dead = f"the peer ended the connection (GOAWAY {ev.error_code!r}" + (
+                    f" {bytes(ev.additional_data)!r})" if ev.additional_data else ")")
+            else:                                 # the calls it still serves go on
+                if self.client_side and not self.calls:
+                    callbacks.append(lambda: self._fail("the server went away (GOAWAY)"))
             self.window_cond.notify_all()
+        elif isinstance(ev, E.PingAckReceived):
+            if ev.ping_data == GOAWAY_PING:
+                self._goaway_finish()
+            elif self.keepalive is not None:
+                self.keepalive.ping_acknowledged()
+        elif isinstance(ev, E.PingReceived):
+            if self.keepalive is not None and not self.client_side and \
+                    self.keepalive.ping_received(time.monotonic(), len(self.calls)):
+                # grpcio's answer to a client pinging more often than allowed
+                try:
+                    self.h2.close_connection(error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM,
+                                             additional_data=_keepalive.TOO_MANY_PINGS)
+                except h2.exceptions.ProtocolError:
+                    pass
+                self.dead = "the client pinged too often (GOAWAY ENHANCE_YOUR_CALM too_many_pings)"
 
     def _notify(self, call, callbacks):
         call.cond.notify_all()
@@ -907,6 +1113,7 @@ class _FramedReader:
         if more is None:
             c._fail("the peer closed the connection")
             return False
+        c.last_read = time.monotonic()
         more = memoryview(more).cast("B")
         self.buf = memoryview(bytes(self.buf) + bytes(more)) if len(self.buf) else more
         try:

@@ -11,7 +11,7 @@ import traceback
 import grpc
 import h2.errors
 
-from fabric.grpc import _http2, _tls, _transport, _wire
+from fabric.grpc import _http2, _keepalive, _tls, _transport, _wire
 
 
 class _Abort(Exception):
@@ -309,6 +309,7 @@ class Server(HandlerRegistry, grpc.Server):
         self._max_receive = int(opts.get("grpc.max_receive_message_length", _wire.DEFAULT_MAX_RECEIVE))
         self._max_send = int(opts.get("grpc.max_send_message_length", -1))
         self._max_concurrent = maximum_concurrent_rpcs
+        self._keepalive = _keepalive.Settings(opts, server=True)
         self._active_rpcs = 0
         self._fabric = fabric
         self._listeners = []
@@ -383,6 +384,7 @@ class Server(HandlerRegistry, grpc.Server):
     def _serve_stream(self, stream):
         try:
             conn = _http2.Connection(stream, client_side=False, max_receive=self._max_receive,
+                                     keepalive=self._keepalive,
                                      trusted_peer=isinstance(stream, _transport.FabricStreamAdapter),
                                      on_request=self._on_request, on_close=self._on_conn_close,
                                      name="fabric-grpc-server")
@@ -407,6 +409,11 @@ class Server(HandlerRegistry, grpc.Server):
                 listener.close()
             except Exception:
                 pass
+
+        with self._lock:
+            conns = list(self._connections)
+        for conn in conns:                # open calls go on; new ones are refused (clients go elsewhere)
+            conn.go_away()
 
         def finish():
             if grace:

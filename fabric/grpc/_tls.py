@@ -373,6 +373,19 @@ class TlsSocketStream:
                 raise errors.ConnectionLost(f"TLS write failed: {e}") from None
         self._send_out()
 
+    def shutdown_write(self) -> None:
+        """close_notify and FIN: we send nothing more; reading goes on."""
+        with self._tls_lock:
+            try:
+                self._tls.unwrap()
+            except (ssl.SSLError, ValueError):
+                pass
+        self._send_out()
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError as e:
+            raise errors.ConnectionLost(f"socket shutdown failed: {e}") from None
+
     def close(self) -> None:
         if self._closed:
             return

@@ -97,6 +97,13 @@ class SocketStream:
         except OSError as e:
             raise errors.ConnectionLost(f"socket write failed: {e}") from None
 
+    def shutdown_write(self) -> None:
+        """FIN: we send nothing more; reading goes on until the peer closes."""
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError as e:
+            raise errors.ConnectionLost(f"socket shutdown failed: {e}") from None
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True

@@ -30,7 +30,7 @@ import grpc.aio
 from grpc.aio import EOF, AioRpcError, Metadata
 
 from fabric import errors
-from fabric.grpc import _tls, _transport, _wire
+from fabric.grpc import _keepalive, _tls, _transport, _wire
 from fabric.grpc._aio_http2 import AioConnection, FabricTransport, SocketTransport
 from fabric.grpc._channel import USER_AGENT, _options_dict
 from fabric.grpc._http2 import ConnectionFailed
@@ -745,6 +745,7 @@ class Channel(grpc.aio.Channel):
         self._fabric = fabric
         self._max_send = int(opts.get("grpc.max_send_message_length", -1))
         self._max_receive = int(opts.get("grpc.max_receive_message_length", _wire.DEFAULT_MAX_RECEIVE))
+        self._keepalive = _keepalive.Settings(opts, server=False)
         self._tls = None
         if credentials is not None:
             if backend is not None:
@@ -787,7 +788,7 @@ class Channel(grpc.aio.Channel):
         timeout = 20.0 if deadline is None else max(deadline - loop.time(), 0.001)
         transport, fabric_stream = await _open_transport(self._target, timeout, self._fabric, self._tls)
         self._conn = AioConnection(transport, client_side=True, max_receive=self._max_receive,
-                                   trusted_peer=fabric_stream)
+                                   trusted_peer=fabric_stream, keepalive=self._keepalive)
         return self._conn
 
     def unary_unary(self, method, request_serializer=None, response_deserializer=None,
@@ -1084,6 +1085,7 @@ class Server(HandlerRegistry, grpc.aio.Server):
         self._encoding = _wire.encoding_of(compression if compression is not None
                                            else opts.get("grpc.default_compression_algorithm"))
         self._max_concurrent = maximum_concurrent_rpcs
+        self._keepalive = _keepalive.Settings(opts, server=True)
         self._fabric = fabric
         self._ports = []                 # (kind, listening object, TLS context) bound at add_*_port
         self._serving = []               # asyncio servers and accept tasks
@@ -1166,7 +1168,7 @@ class Server(HandlerRegistry, grpc.aio.Server):
             return
         conn = AioConnection(transport, client_side=False, max_receive=self._max_receive,
                              on_request=self._on_request, on_close=self._conn_closed,
-                             trusted_peer=trusted)
+                             trusted_peer=trusted, keepalive=self._keepalive)
         self._connections.add(conn)
 
     def _conn_closed(self, conn):
@@ -1187,6 +1189,8 @@ class Server(HandlerRegistry, grpc.aio.Server):
                 obj.close()
             except (OSError, errors.FabricError):
                 pass
+        for conn in list(self._connections):     # open calls go on; new ones are refused
+            conn.go_away()
         if grace:
             end = asyncio.get_running_loop().time() + grace
             while self._calls and asyncio.get_running_loop().time() < end:
