@@ -704,3 +704,27 @@ def test_peer_offering_a_bad_key_or_range(backend_name, peer_factory, fault):
     for e in (ep, good):
         e.close(linger=0)
     lst.close()
+
+
+@pytest.mark.parametrize("credits", [4, 5, 8])
+def test_idle_endpoints_send_nothing(backend_name, credits):
+    """Credits owed only for CREDIT frames do not earn a CREDIT of their own:
+    with fewer than 8 credits two idle endpoints used to return credits to
+    each other forever (tens of thousands of messages a second)."""
+    opts = small_options(credits=credits)
+    a, b = connect_pair(fabric.Fabric(backend_name, **opts), fabric.Fabric(backend_name, **opts))
+    try:
+        for size in (0, 100, 5000, 20000) * 3:
+            a.send(b"x" * size)
+            b.recv(timeout=10)
+            b.send(b"y")
+            a.recv(timeout=10)
+        time.sleep(0.3)                          # let any owed credit settle
+        before = (a.stats()["fabric_sends"], b.stats()["fabric_sends"])
+        time.sleep(0.5)
+        assert (a.stats()["fabric_sends"], b.stats()["fabric_sends"]) == before
+        a.send(b"still works")
+        assert bytes(b.recv(timeout=10)) == b"still works"
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)

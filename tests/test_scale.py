@@ -275,6 +275,8 @@ def test_queued_sends_flush_while_the_sender_waits_elsewhere(backend_name, peer_
     fab = fabric.Fabric(backend_name, **small_options(**big))
     data = fab.connect(peer.first_line, timeout=30)
     signal = fab.connect(peer.first_line, timeout=30)
+    data.send(b"data")                  # which is which (the peer may accept them in either order)
+    signal.send(b"signal")
     peer.proc.send_signal(signals.SIGSTOP)         # the peer stops reading: our side fills up
     try:
         payload = os.urandom(65536)

@@ -202,6 +202,7 @@ cdef struct ep_t:
     inmsg_t* rndv_in
     size_t inbuf_bytes
     uint32_t c2r
+    uint32_t c2r_quiet      # of c2r: for messages that only returned credits (no explicit CREDIT for them)
     uint32_t held
     posted_t posted
 

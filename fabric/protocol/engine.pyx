@@ -284,6 +284,8 @@ cdef inline uint16_t take_credits(ep_t* ep) noexcept nogil:
     if c > 0xFFFF:
         c = 0xFFFF
     ep.c2r -= c
+    if ep.c2r_quiet > ep.c2r:
+        ep.c2r_quiet = ep.c2r
     return <uint16_t>c
 
 cdef int post_slab(ep_t* ep, slab_t* s) noexcept nogil:
@@ -650,7 +652,12 @@ cdef int ep_flush(ep_t* ep) noexcept nogil:
             threshold = ep.w.opts.credits // 4
             if threshold < 1:
                 threshold = 1
-            if ep.c2r >= threshold:
+            # Credits owed for credit-only messages do not count: two idle
+            # peers would otherwise answer each CREDIT with a CREDIT forever
+            # (with credits < 8 the threshold is 1). They ride on the next
+            # message, and each explicit CREDIT needs `threshold` real
+            # messages first, so at most one is ever owed this way.
+            if ep.c2r - ep.c2r_quiet >= threshold:
                 # Nothing to piggyback on: return credits explicitly.
                 put_header(ctrl_room(ep, FRAME_HEADER), F_CREDIT, 0, 0, 0, 0, 0)
                 more = 1
@@ -1091,7 +1098,7 @@ cdef int on_hello(ep_t* ep, frame_t* f) noexcept nogil:
 cdef int on_fabric_msg(ep_t* ep, const uint8_t* data, size_t length) noexcept nogil:
     """Handle every frame of one received fabric message."""
     cdef size_t pos = 0
-    cdef int used, counts = 1
+    cdef int used, counts = 1, only_credits = 1
     cdef frame_t f
     cdef const char* error = NULL
     ep.fabric_recvs += 1
@@ -1114,6 +1121,8 @@ cdef int on_fabric_msg(ep_t* ep, const uint8_t* data, size_t length) noexcept no
         if ep.state == EP_HANDSHAKE:
             ep_fail(ep, EPROTO, "peer sent frames before its HELLO")
             return -1
+        if f.type != F_CREDIT:
+            only_credits = 0
         if ep.peer_closed and f.type != F_CREDIT and f.type != F_CHUNK_DONE:
             ep_fail(ep, EPROTO, "peer sent frames after CLOSE")
             return -1
@@ -1129,7 +1138,10 @@ cdef int on_fabric_msg(ep_t* ep, const uint8_t* data, size_t length) noexcept no
         elif f.type == F_CLOSE:
             on_peer_close(ep)
     if counts:
-        if ep.inbuf_bytes > ep.w.opts.recv_budget:
+        if only_credits:
+            ep.c2r += 1       # no data held: back at once, but not worth a CREDIT of its own
+            ep.c2r_quiet += 1
+        elif ep.inbuf_bytes > ep.w.opts.recv_budget:
             ep.held += 1      # bound the peer: its credit comes back when the app receives
         else:
             ep.c2r += 1
