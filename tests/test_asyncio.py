@@ -118,3 +118,43 @@ def test_async_peer_close_is_reported(backend_name):
             await server.arecv(timeout=10)
         server.close()
     run(main())
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("progress_by", ["request_done", "fabric_progress"])
+def test_progress_made_by_another_coroutine_wakes_the_receiver(progress_by):
+    """A call on the loop's thread outside the loop's own polling (a send's
+    Request.done(), Fabric.progress()) may take the message another coroutine
+    awaits: that receiver must still be woken. (It waited for the progress
+    thread's one-second fallback: fabric.grpc.aio over fabric+tcp took 1-3 s
+    per call, forever with the thread off, as here.)"""
+    import select
+
+    async def main():
+        fab = fabric.Fabric("tcp", **small_options(progress_thread=0))
+        other = fabric.Fabric("tcp", **small_options(progress_thread=0))
+        lst = other.listen("127.0.0.1:0")
+        server_task = asyncio.ensure_future(lst.aaccept(timeout=10))
+        client = await fab.aconnect(lst.address, timeout=10)
+        server = await server_task
+        lst.close()
+        receiver = asyncio.ensure_future(client.arecv())
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert not receiver.done()            # it waits for the loop to report the endpoint
+        server.send(b"ping")
+        # the message is in the client's socket (the Fabric's epoll descriptor is readable) ...
+        assert select.select([client.worker.fileno()], [], [], 10)[0]
+        # ... and this coroutine's call takes it, without yielding to the loop
+        if progress_by == "request_done":
+            assert client.isend(b"pong").done()
+        else:
+            fab.progress()
+        assert await asyncio.wait_for(receiver, 20) == b"ping"
+        if progress_by == "request_done":
+            assert await server.arecv(timeout=10) == b"pong"
+        client.close()
+        server.close()
+        fab.close()
+        other.close()
+    run(main())

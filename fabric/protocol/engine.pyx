@@ -1717,7 +1717,11 @@ cdef void handle_events(worker_t* w, epoll_event* evs, int n) noexcept nogil:
 
 cdef inline void notify_loop(worker_t* w) noexcept nogil:
     """Progress made outside the event loop may have finished what its
-    coroutines wait for: make the loop look."""
+    coroutines wait for: make the loop look. That includes progress made by
+    a call on the loop's own thread outside poll_events() (Request.done()
+    in one coroutine may take the message another one awaits): only
+    poll_events() hands `touched` to the waiters, and the socket it drained
+    no longer makes fileno() readable."""
     cdef uint64_t one = 1
     # Also while the loop is not watching: a coroutine between its last check
     # and its next wait must still learn that something happened meanwhile.
@@ -2463,6 +2467,7 @@ cdef class Worker:
             alock(self.w)
             progress_all(self.w)
             pthread_cond_broadcast(&self.w.cond)
+            notify_loop(self.w)
             wunlock(self.w)
         self.reap()
 
@@ -2881,6 +2886,7 @@ cdef class Request:
             if ep.state == EP_OPEN:
                 progress_ep(ep)
             final = pred_op_final(self.op)
+            notify_loop(self.ep.w)
             wunlock(self.ep.w)
         self.ep.worker.reap()
         if final:
@@ -3333,6 +3339,7 @@ cdef class Endpoint:
         with nogil:
             alock(self.w)
             progress_ep(self.ep)
+            notify_loop(self.w)
             wunlock(self.w)
         self.worker.reap()
 
@@ -3369,6 +3376,7 @@ cdef class Endpoint:
                     take_result(ep, &r)
                     done = 1
             ep_settle(ep)
+            notify_loop(self.w)
             wunlock(self.w)
         if busy:
             raise _errors.BusyError("another receive is in progress on this endpoint")
@@ -3436,6 +3444,7 @@ cdef class Endpoint:
             alock(self.w)
             progress_ep(self.ep)
             done = ep_drained(self.ep)
+            notify_loop(self.w)
             wunlock(self.w)
         return bool(done)
 
@@ -3614,6 +3623,7 @@ cdef class Listener:
             if not self.l.closed:
                 progress_listener(self.l)
                 ep = self._pop_ready()
+            notify_loop(w)
             wunlock(w)
         if ep == NULL and self.l.closed:
             raise _errors.ConnectionClosed("listener is closed")
