@@ -25,7 +25,9 @@ from fabric import errors
 from fabric.grpc import _keepalive, _tls, _wire
 from fabric.grpc._http2 import (CONNECTION_WINDOW, MAX_CONCURRENT_STREAMS, MAX_FRAME, MAX_HEADER_LIST,
                                 PROMPT_WINDOW_UPDATE, QUEUED_HIGH_WATER, STREAM_WINDOW, ConnectionFailed,
-                                GOAWAY_ACK_WAIT, GOAWAY_PING, LINGER, _encoding_header, _MemoHpack,
+                                DATA, END_STREAM_FLAG, FAST_DATA_MIN, GOAWAY_ACK_WAIT, GOAWAY_PING, LINGER,
+                                PADDED_FLAG, charge_data_received, charge_data_sent, fast_data_supported,
+                                frame_header, parse_frame_header, _encoding_header, _MemoHpack,
                                 keep_streams_open_on_goaway, reopen_after_goaway)
 
 READ_SIZE = 1 << 20
@@ -38,6 +40,7 @@ class SocketTransport:
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.reader, self.writer = reader, writer
+        self.eof_sent = False               # shutdown_write(): nothing more may be written
         sock = writer.get_extra_info("socket")
         if sock is not None:
             import socket
@@ -60,7 +63,7 @@ class SocketTransport:
             return b""
 
     def write(self, data) -> None:
-        if not self.writer.is_closing():
+        if not self.writer.is_closing() and not self.eof_sent:
             self.writer.write(data)
 
     async def drain(self) -> None:
@@ -74,13 +77,41 @@ class SocketTransport:
         try:
             if self.writer.can_write_eof() and not self.writer.is_closing():
                 self.writer.write_eof()
+                self.eof_sent = True
                 return True
         except (OSError, RuntimeError):
             pass
         return False
 
+    def write_own(self, view) -> None:
+        self.write(view)           # asyncio sends it now or copies what is left: never kept
+
+    async def flushed(self) -> None:
+        return
+
     def close(self) -> None:
         self.writer.close()
+
+
+class _OwnWrite:
+    __slots__ = ("view",)
+
+    def __init__(self, view):
+        self.view = view
+
+    def __len__(self):
+        return self.view.nbytes
+
+
+class _Marker:
+    """In the write queue: resolves once everything before it was written."""
+    __slots__ = ("done",)
+
+    def __init__(self, done):
+        self.done = done
+
+    def __len__(self):
+        return 0
 
 
 class FabricTransport:
@@ -96,7 +127,9 @@ class FabricTransport:
         self.room = asyncio.Event()
         self.room.set()
         self.failed = None
-        self.task = asyncio.get_running_loop().create_task(self._writer())
+        self.writing = False
+        self.loop = asyncio.get_running_loop()
+        self.task = self.loop.create_task(self._writer())
 
     async def read(self):
         try:
@@ -106,6 +139,17 @@ class FabricTransport:
             return b""
         return b"" if msg is None else msg
 
+    async def read_into(self, buf) -> int:
+        """Bytes read into buf (the fabric pulls a write that fits straight
+        in), 0 at end of stream."""
+        try:
+            return await self.stream.aread_into(buf)
+        except errors.ConnectionClosed:
+            return 0
+        except errors.FabricError as e:
+            self.read_error = e
+            return 0
+
     def write(self, data) -> None:
         if self.failed is not None:
             return
@@ -114,6 +158,22 @@ class FabricTransport:
         if self.queued > WRITE_HIGH_WATER:
             self.room.clear()
         self.wake.set()
+
+    def write_own(self, view) -> None:
+        """A large payload as a write of its own: the peer's fabric gets it as
+        one message it can pull straight into place (no copy here)."""
+        self.write(_OwnWrite(view))
+
+    async def flushed(self) -> None:
+        """Until everything queued so far has been written (a caller's buffer
+        that may change afterwards is no longer referenced)."""
+        if self.queue or self.writing:
+            done = self.loop.create_future()
+            self.queue.append(_Marker(done))
+            self.wake.set()
+            await done
+        if self.failed is not None:
+            raise ConnectionFailed(self.failed)
 
     async def drain(self) -> None:
         while not self.room.is_set():
@@ -127,19 +187,36 @@ class FabricTransport:
             self.wake.clear()
             while self.queue:
                 batch = []
+                self.writing = True
                 while self.queue:
                     item = self.queue.popleft()
                     if item is None:                   # close() after the flush
                         if batch:
                             await self._write(batch)
+                        self.writing = False
                         try:
                             self.stream.close()
                         except errors.FabricError:
                             pass
                         return
+                    if isinstance(item, _Marker):
+                        if batch and not await self._write(batch):
+                            return
+                        batch = []
+                        if not item.done.done():
+                            item.done.set_result(None)
+                        continue
+                    if isinstance(item, _OwnWrite):    # small writes before it, then it alone
+                        if batch and not await self._write(batch):
+                            return
+                        batch = []
+                        if not await self._write([item.view]):
+                            return
+                        continue
                     batch.append(item)
-                if not await self._write(batch):
+                if batch and not await self._write(batch):
                     return
+                self.writing = False
 
     async def _write(self, batch) -> bool:
         n = sum(len(b) for b in batch)
@@ -147,6 +224,10 @@ class FabricTransport:
             await self.stream.awrite(batch if len(batch) > 1 else batch[0])
         except errors.FabricError as e:
             self.failed = f"write failed: {e}"
+            self.writing = False
+            for item in self.queue:
+                if isinstance(item, _Marker) and not item.done.done():
+                    item.done.set_result(None)
             self.queue.clear()
             self.room.set()
             return False
@@ -261,6 +342,8 @@ class AioConnection:
                                            normalize_outbound_headers=False,
                                            validate_inbound_headers=not trusted_peer)
         self.h2 = h2.connection.H2Connection(config)
+        self.fast_data = fast_data_supported(self.h2)
+        self.counters = {"fast_data_frames_sent": 0, "fast_data_frames_received": 0}
         keep_streams_open_on_goaway(self.h2)
         self.h2.encoder = _MemoHpack(self.h2.encoder, "encode")
         self.h2.decoder = _MemoHpack(self.h2.decoder, "decode")
@@ -408,6 +491,10 @@ class AioConnection:
             packed = _wire.compress(view, encoding)
             if len(packed) < view.nbytes:
                 view, compressed = memoryview(packed), True
+        if view.nbytes >= FAST_DATA_MIN and self.fast_data:
+            await self._send_large(call, view, end_stream, deadline, compressed,
+                                   detached=type(payload) is bytes or compressed)
+            return
         head = _wire.prefix(view.nbytes, compressed)
         if view.nbytes <= SMALL_MESSAGE:
             pieces = [memoryview(head + view.tobytes())]        # one DATA frame
@@ -435,6 +522,38 @@ class AioConnection:
                 await self.transport.drain()
         if view.nbytes > (1 << 20):
             await self.transport.drain()
+
+    async def _send_large(self, call: AioStream, view, end_stream: bool, deadline, compressed: bool,
+                          detached: bool) -> None:
+        """DATA frames written by us (see _http2.Connection._send_large): each
+        frame's header (the message prefix in the first) and its payload go as
+        separate writes, straight from the caller's buffer, and h2's state and
+        windows are charged as its send_data would."""
+        prefix = _wire.prefix(view.nbytes, compressed)
+        first = True
+        while view.nbytes or first:
+            self._check_call(call)
+            room = min(self.h2.local_flow_control_window(call.id), self.h2.max_outbound_frame_size)
+            head = len(prefix) if first else 0
+            if room <= head:
+                if deadline is not None and self.loop.time() >= deadline:
+                    raise TimeoutError("deadline exceeded while waiting for flow control")
+                await self.window_signal.wait(self.loop, deadline)
+                continue
+            n = min(room - head, view.nbytes)
+            charge_data_sent(self.h2, call.id, head + n)
+            self._flush()                              # what h2 had queued goes first
+            self.transport.write(frame_header(head + n, DATA, 0, call.id) + (prefix if first else b""))
+            if n:
+                self.transport.write_own(view[:n])
+            self.counters["fast_data_frames_sent"] += 1
+            view = view[n:]
+            first = False
+            await self.transport.drain()
+        if not detached:
+            await self.transport.flushed()             # the caller may change its buffer once we return
+        if end_stream:
+            self.end_stream(call)
 
     def end_stream(self, call: AioStream) -> None:
         self._check_call(call)
@@ -478,30 +597,149 @@ class AioConnection:
                 pass
 
     # ------------------------------------------------------------ reading
+    def _closed_by_peer(self):
+        why = getattr(self.transport, "read_error", None)
+        self._fail("the peer closed the connection" if why is None
+                   else f"the connection failed: {type(why).__name__}: {why}")
+
+    def _feed(self, data) -> bool:
+        """Bytes to h2 and its events handled; False once the connection is dead."""
+        try:
+            events = self.h2.receive_data(data)
+        except h2.exceptions.ProtocolError as e:
+            self._flush()
+            self._fail(f"HTTP/2 protocol error from the peer: {e}")
+            return False
+        for ev in events:
+            self._handle(ev)
+        self._flush()
+        return self.dead is None
+
     async def _read_loop(self):
         try:
-            while self.dead is None:
-                data = await self.transport.read()
-                if not data:
-                    why = getattr(self.transport, "read_error", None)
-                    self._fail("the peer closed the connection" if why is None
-                               else f"the connection failed: {type(why).__name__}: {why}")
-                    return
-                try:
-                    events = self.h2.receive_data(data)
-                except h2.exceptions.ProtocolError as e:
-                    self._flush()
-                    self._fail(f"HTTP/2 protocol error from the peer: {e}")
-                    return
-                for ev in events:
-                    self._handle(ev)
-                self._flush()
+            if self.fast_data and hasattr(self.transport, "read_into"):
+                await self._read_framed()
+            else:
+                while self.dead is None:
+                    data = await self.transport.read()
+                    if not data:
+                        self._closed_by_peer()
+                        return
+                    if not self._feed(data):
+                        break
             self._fail(self.dead)
         except asyncio.CancelledError:
             self._fail("connection closed locally")
             raise
         except Exception as e:               # noqa: BLE001 - any failure ends the connection
             self._fail(f"connection failed: {e!r}")
+
+    async def _read_framed(self):
+        """Frames cut here (see _http2._FramedReader): a large DATA frame of an
+        open call is received by _fast_data straight into the message's
+        buffer; everything else goes to h2 in order."""
+        buf = memoryview(b"")
+        preface = 0 if self.client_side else 24      # a client's connection preface precedes its frames
+        while self.dead is None:
+            more = await self.transport.read()
+            if not more:
+                self._closed_by_peer()
+                return
+            more = memoryview(more).cast("B")
+            buf = memoryview(bytes(buf) + bytes(more)) if len(buf) else more
+            if preface:
+                if len(buf) < preface:
+                    continue
+                if not self._feed(bytes(buf[:preface])):
+                    return
+                buf, preface = buf[preface:], 0
+            to_h2 = []
+            while len(buf) >= 9:
+                length, ftype, flags, sid = parse_frame_header(buf)
+                if (ftype == DATA and length >= FAST_DATA_MIN and not flags & (PADDED_FLAG | END_STREAM_FLAG)
+                        and length <= self.h2.max_inbound_frame_size):
+                    if to_h2:                            # the HEADERS that open this call may be among them
+                        if not self._feed(b"".join(to_h2)):
+                            return
+                        to_h2 = []
+                    call = self.calls.get(sid)
+                    if call is not None and call.failure is None:
+                        buf = await self._fast_data(call, length, buf[9:])
+                        if buf is None:
+                            return
+                        continue
+                if len(buf) < 9 + length:
+                    break                                # the rest of this frame comes with the next read
+                to_h2.append(buf[:9 + length])
+                buf = buf[9 + length:]
+            if to_h2 and not self._feed(b"".join(to_h2)):
+                return
+
+    async def _fast_data(self, call: AioStream, length: int, rest):
+        """One large DATA frame of call: h2 charged as it would be, the payload
+        into the call's assembler (pulled by the fabric straight into the
+        message buffer where it can). What is left of the current read, or
+        None once the connection is dead."""
+        try:
+            charge_data_received(self.h2, call.id, length)
+        except (h2.exceptions.ProtocolError, h2.exceptions.StreamClosedError) as e:
+            self._flush()
+            self._fail(f"HTTP/2 protocol error from the peer: {e!r}")
+            return None
+        self.counters["fast_data_frames_received"] += 1
+        asm = call.assembler
+        left = length
+        failure = None
+        try:
+            while left:
+                if len(rest):
+                    take = min(left, len(rest))
+                    self._deliver(call, asm.feed(rest[:take]))
+                    rest, left = rest[take:], left - take
+                    continue
+                target = asm.direct_target(left)
+                if target is not None and len(target):
+                    n = await self.transport.read_into(target)
+                    if n == 0:
+                        self._closed_by_peer()
+                        return None
+                    asm.advance(n)
+                    left -= n
+                    self._deliver(call, asm.take_done())
+                    continue
+                more = await self.transport.read()
+                if not more:
+                    self._closed_by_peer()
+                    return None
+                rest = memoryview(more).cast("B")
+        except _wire.WireError as e:
+            failure = e
+        call.unacked += length
+        if failure is not None and call.failure is None:
+            call.failure = failure
+        if call.queued_bytes <= QUEUED_HIGH_WATER:
+            self._ack(call)
+        self._notify(call)
+        if failure is not None:
+            if self.client_side:
+                self.reset(call, h2.errors.ErrorCodes.CANCEL)
+            while left:                                  # the rest of this frame's payload: dropped
+                if len(rest):
+                    take = min(left, len(rest))
+                    rest, left = rest[take:], left - take
+                    continue
+                more = await self.transport.read()
+                if not more:
+                    self._closed_by_peer()
+                    return None
+                rest = memoryview(more).cast("B")
+        self._flush()
+        return rest
+
+    def _deliver(self, call: AioStream, messages) -> None:
+        for msg in messages:
+            call.messages.append(msg)
+            call.queued_bytes += len(msg)
 
     def _notify(self, call: AioStream):
         call.signal.notify()

@@ -165,6 +165,30 @@ def fast_data_supported(conn) -> bool:
             and hasattr(conn, "state_machine"))
 
 
+def charge_data_sent(conn, stream_id: int, length: int) -> None:
+    """h2's state machines and windows, as its send_data would leave them,
+    for a DATA frame of length bytes we write ourselves."""
+    from h2.connection import ConnectionInputs
+    from h2.stream import StreamInputs
+    stream = conn._get_stream_by_id(stream_id)
+    conn.state_machine.process_input(ConnectionInputs.SEND_DATA)
+    stream.state_machine.process_input(StreamInputs.SEND_DATA)
+    stream.outbound_flow_control_window -= length
+    conn.outbound_flow_control_window -= length
+
+
+def charge_data_received(conn, stream_id: int, length: int) -> None:
+    """The same for a DATA frame we receive ourselves (raises h2's
+    ProtocolError or StreamClosedError as its receive_data would)."""
+    from h2.connection import ConnectionInputs
+    from h2.stream import StreamInputs
+    conn.state_machine.process_input(ConnectionInputs.RECV_DATA)
+    conn._inbound_flow_control_window_manager.window_consumed(length)
+    stream = conn._get_stream_by_id(stream_id)
+    stream.state_machine.process_input(StreamInputs.RECV_DATA)
+    stream._inbound_window_manager.window_consumed(length)
+
+
 class _Own:
     """A pending buffer written as a stream write of its own (so the peer's
     fabric receives it as one message it can pull straight into place).
@@ -705,8 +729,6 @@ class Connection:
         write and its payload another, so the fabric moves the payload by
         rendezvous without a copy. h2's state machine and windows are kept
         exactly as its own send_data would."""
-        from h2.connection import ConnectionInputs
-        from h2.stream import StreamInputs
         prefix = _wire.prefix(view.nbytes, compressed)
         first = True
         while view.nbytes or first:
@@ -726,11 +748,7 @@ class Connection:
                     if n < 0:
                         n = 0
                     length = head + n
-                    stream = self.h2._get_stream_by_id(call.id)
-                    self.h2.state_machine.process_input(ConnectionInputs.SEND_DATA)
-                    stream.state_machine.process_input(StreamInputs.SEND_DATA)
-                    stream.outbound_flow_control_window -= length
-                    self.h2.outbound_flow_control_window -= length
+                    charge_data_sent(self.h2, call.id, length)
                     self._queue()                     # anything h2 had queued goes first
                     self.pending.append(frame_header(length, DATA, 0, call.id) + (prefix if first else b""))
                     self.counters["fast_data_frames_sent"] += 1
@@ -813,15 +831,9 @@ class Connection:
         are charged as h2 would, the payload goes to the call's assembler
         (straight into the message buffer where it can). Returns what is left
         of the current read, or None if the connection died."""
-        from h2.connection import ConnectionInputs
-        from h2.stream import StreamInputs
         with self.lock:
             try:
-                self.h2.state_machine.process_input(ConnectionInputs.RECV_DATA)
-                self.h2._inbound_flow_control_window_manager.window_consumed(length)
-                stream = self.h2._get_stream_by_id(call.id)
-                stream.state_machine.process_input(StreamInputs.RECV_DATA)
-                stream._inbound_window_manager.window_consumed(length)
+                charge_data_received(self.h2, call.id, length)
             except (h2.exceptions.ProtocolError, h2.exceptions.StreamClosedError) as e:
                 self.dead = f"HTTP/2 protocol error from the peer: {e!r}"
         if self.dead is not None:
