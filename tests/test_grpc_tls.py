@@ -248,3 +248,81 @@ def test_many_tls_connections_at_once():
                 ch.close()
     finally:
         s.close()
+
+
+class _Plugin(grpc.AuthMetadataPlugin):
+    def __init__(self, fail=False):
+        self.fail = fail
+        self.seen = []
+
+    def __call__(self, context, callback):
+        self.seen.append((context.service_url, context.method_name))
+        if self.fail:
+            callback(None, RuntimeError("no token today"))
+        else:
+            threading.Thread(target=callback, args=((("x-plugin", "p"),), None)).start()   # from another thread
+
+
+def echo_metadata(request, context):
+    return repr(sorted((k, v) for k, v in context.invocation_metadata()
+                       if k in ("authorization", "x-plugin"))).encode()
+
+
+@pytest.mark.parametrize("client", KINDS)
+@pytest.mark.parametrize("server", KINDS)
+def test_call_credentials_send_their_metadata(client, server):
+    """Access tokens and metadata plugins, on the channel (composite channel
+    credentials) and per call, as grpcio sends them; a failing plugin fails
+    the call UNAVAILABLE; an insecure channel refuses them UNAUTHENTICATED."""
+    module = grpc if server == "grpcio" else fgrpc
+    s = module.server(futures.ThreadPoolExecutor(4), handlers=[grpc.method_handlers_generic_handler(
+        "t.Who", {"Am": grpc.unary_unary_rpc_method_handler(echo_metadata)})])
+    port = s.add_secure_port("127.0.0.1:0", server_credentials(module, require_client_auth=False))
+    plain = s.add_insecure_port("127.0.0.1:0")
+    s.start()
+    cm = grpc if client == "grpcio" else fgrpc
+    plugin = _Plugin()
+    try:
+        creds = grpc.composite_channel_credentials(client_credentials(grpc, with_certificate=False),
+                                                   grpc.access_token_call_credentials("tok"))
+        with cm.secure_channel(f"localhost:{port}", creds) as channel:
+            call = channel.unary_unary("/t.Who/Am")
+            assert call(b"", timeout=10) == repr([("authorization", "Bearer tok")]).encode()
+            per_call = grpc.metadata_call_credentials(plugin)
+            assert call(b"", timeout=10, credentials=per_call) == \
+                repr([("authorization", "Bearer tok"), ("x-plugin", "p")]).encode()
+            with pytest.raises(grpc.RpcError) as info:
+                call(b"", timeout=10, credentials=grpc.metadata_call_credentials(_Plugin(fail=True)))
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "no token today" in info.value.details()
+        assert plugin.seen == [(f"https://localhost:{port}/t.Who", "Am")]
+        with cm.insecure_channel(f"127.0.0.1:{plain}") as channel:
+            with pytest.raises(grpc.RpcError) as info:
+                channel.unary_unary("/t.Who/Am")(b"", timeout=10, credentials=grpc.access_token_call_credentials("t"))
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        s.stop(None)
+
+
+def test_aio_call_credentials_send_their_metadata():
+    async def main():
+        async def echo(request, context):
+            return echo_metadata(request, context)
+        server = faio.server(handlers=[grpc.method_handlers_generic_handler(
+            "t.Who", {"Am": grpc.unary_unary_rpc_method_handler(echo)})])
+        port = server.add_secure_port("127.0.0.1:0", server_credentials(fgrpc, require_client_auth=False))
+        await server.start()
+        try:
+            creds = grpc.composite_channel_credentials(client_credentials(grpc, with_certificate=False),
+                                                       grpc.access_token_call_credentials("tok"))
+            async with faio.secure_channel(f"localhost:{port}", creds) as channel:
+                call = channel.unary_unary("/t.Who/Am")
+                assert await call(b"", timeout=10) == repr([("authorization", "Bearer tok")]).encode()
+                got = await call(b"", timeout=10, credentials=grpc.metadata_call_credentials(_Plugin()))
+                assert got == repr([("authorization", "Bearer tok"), ("x-plugin", "p")]).encode()
+                with pytest.raises(grpc.RpcError) as info:
+                    await call(b"", timeout=10, credentials=grpc.metadata_call_credentials(_Plugin(fail=True)))
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            await server.stop(None)
+    asyncio.run(main())

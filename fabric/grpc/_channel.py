@@ -87,6 +87,8 @@ class _Call(grpc.Call, grpc.Future):
     """One RPC in flight (client side): the HTTP/2 stream, its status, and
     the grpc.Call / grpc.Future / response-iterator faces grpcio gives it."""
 
+    _plugins = ()                 # metadata plugins of the call's credentials
+
     def __init__(self, channel, method: str, deserializer, timeout, metadata, wait_for_ready=None):
         self._channel = channel
         self._method = method
@@ -140,8 +142,13 @@ class _Call(grpc.Call, grpc.Future):
             headers.append((b"grpc-timeout", _wire.encode_timeout(max(self._deadline - time.monotonic(), 0))))
         try:
             headers.extend(_wire.metadata_to_headers(self._metadata))
+            if self._plugins:
+                headers.extend(_wire.metadata_to_headers(self._credential_metadata()))
         except ValueError as e:
             self._finish(grpc.StatusCode.INTERNAL, str(e))
+            return False
+        except _tls.CallCredentialsError as e:
+            self._finish(e.code, e.details)
             return False
         try:
             self._conn = self._channel._connection(self._deadline, self._wait_for_ready)
@@ -155,6 +162,15 @@ class _Call(grpc.Call, grpc.Future):
         if self._deadline is not None:
             self._channel._timers.schedule(self._deadline, self._on_deadline)
         return True
+
+    def _credential_metadata(self):
+        """What the call credentials' plugins add (TLS channels only, as grpcio)."""
+        if self._channel._tls is None:
+            raise _tls.CallCredentialsError(grpc.StatusCode.UNAUTHENTICATED, "Established channel does not have "
+                                            "a sufficient security level to transfer call credential.")
+        left = None if self._deadline is None else self._deadline - time.monotonic()
+        return _tls.plugin_metadata(self._plugins, _tls.service_url(self._channel._authority, self._method),
+                                    self._method, left)
 
     def _on_deadline(self):
         if not self._done.is_set():
@@ -473,8 +489,9 @@ class _MultiCallable:
 
     _unary_response = False
 
-    def _new_call(self, timeout, metadata, wait_for_ready, compression=None):
+    def _new_call(self, timeout, metadata, wait_for_ready, compression=None, credentials=None):
         call = _Call(self._channel, self._method, self._deserialize, timeout, metadata, wait_for_ready)
+        call._plugins = self._channel._call_plugins + _tls.call_plugins(credentials)
         call._unary = self._unary_response
         call._encoding = (self._channel._encoding if compression is None
                           else _wire.encoding_of(compression))
@@ -484,8 +501,8 @@ class _MultiCallable:
 class UnaryUnaryMultiCallable(_MultiCallable, grpc.UnaryUnaryMultiCallable):
     _unary_response = True
 
-    def _invoke(self, request, timeout, metadata, wait_for_ready, compression):
-        call = self._new_call(timeout, metadata, wait_for_ready, compression)
+    def _invoke(self, request, timeout, metadata, wait_for_ready, compression, credentials=None):
+        call = self._new_call(timeout, metadata, wait_for_ready, compression, credentials)
         call._start_unary(request, self._serialize)
         return call
 
@@ -495,14 +512,14 @@ class UnaryUnaryMultiCallable(_MultiCallable, grpc.UnaryUnaryMultiCallable):
 
     def with_call(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
                   compression=None):
-        call = self._invoke(request, timeout, metadata, wait_for_ready, compression)
+        call = self._invoke(request, timeout, metadata, wait_for_ready, compression, credentials)
         if call._code is not None:
             raise call._error()
         return call._unary_response(), call
 
     def future(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
                compression=None):
-        call = self._invoke(request, timeout, metadata, wait_for_ready, compression)
+        call = self._invoke(request, timeout, metadata, wait_for_ready, compression, credentials)
         if call._code is None:
             self._channel._pool.submit(_complete_unary, call)
         return call
@@ -518,7 +535,7 @@ def _complete_unary(call):
 class UnaryStreamMultiCallable(_MultiCallable, grpc.UnaryStreamMultiCallable):
     def __call__(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
                  compression=None):
-        call = self._new_call(timeout, metadata, wait_for_ready, compression)
+        call = self._new_call(timeout, metadata, wait_for_ready, compression, credentials)
         call._start_unary(request, self._serialize)
         return call
 
@@ -526,8 +543,8 @@ class UnaryStreamMultiCallable(_MultiCallable, grpc.UnaryStreamMultiCallable):
 class StreamUnaryMultiCallable(_MultiCallable, grpc.StreamUnaryMultiCallable):
     _unary_response = True
 
-    def _invoke(self, request_iterator, timeout, metadata, wait_for_ready, compression):
-        call = self._new_call(timeout, metadata, wait_for_ready, compression)
+    def _invoke(self, request_iterator, timeout, metadata, wait_for_ready, compression, credentials=None):
+        call = self._new_call(timeout, metadata, wait_for_ready, compression, credentials)
         if call._start(end_stream=False):
             threading.Thread(target=call._consume_requests, args=(request_iterator, self._serialize),
                              daemon=True, name="fabric-grpc-requests").start()
@@ -540,14 +557,14 @@ class StreamUnaryMultiCallable(_MultiCallable, grpc.StreamUnaryMultiCallable):
 
     def with_call(self, request_iterator, timeout=None, metadata=None, credentials=None,
                   wait_for_ready=None, compression=None):
-        call = self._invoke(request_iterator, timeout, metadata, wait_for_ready, compression)
+        call = self._invoke(request_iterator, timeout, metadata, wait_for_ready, compression, credentials)
         if call._code is not None:
             raise call._error()
         return call._unary_response(), call
 
     def future(self, request_iterator, timeout=None, metadata=None, credentials=None,
                wait_for_ready=None, compression=None):
-        call = self._invoke(request_iterator, timeout, metadata, wait_for_ready, compression)
+        call = self._invoke(request_iterator, timeout, metadata, wait_for_ready, compression, credentials)
         if call._code is None:
             self._channel._pool.submit(_complete_unary, call)
         return call
@@ -556,7 +573,7 @@ class StreamUnaryMultiCallable(_MultiCallable, grpc.StreamUnaryMultiCallable):
 class StreamStreamMultiCallable(_MultiCallable, grpc.StreamStreamMultiCallable):
     def __call__(self, request_iterator, timeout=None, metadata=None, credentials=None,
                  wait_for_ready=None, compression=None):
-        call = self._new_call(timeout, metadata, wait_for_ready, compression)
+        call = self._new_call(timeout, metadata, wait_for_ready, compression, credentials)
         if call._start(end_stream=False):
             threading.Thread(target=call._consume_requests, args=(request_iterator, self._serialize),
                              daemon=True, name="fabric-grpc-requests").start()
@@ -584,12 +601,14 @@ class Channel(grpc.Channel):
         self._max_receive = int(opts.get("grpc.max_receive_message_length", _wire.DEFAULT_MAX_RECEIVE))
         self._keepalive = _keepalive.Settings(opts, server=False)
         self._tls = None
+        self._call_plugins = ()
         if credentials is not None:
             if backend is not None:
                 raise ValueError(f"secure channels are for plain TCP targets (host:port), not {target!r}: "
                                  "fabric connections are meant for a trusted cluster network")
             name = _tls.target_name(opts, host)
-            self._tls = (_tls.channel_credentials(credentials).context(), name)
+            tls, self._call_plugins = _tls.split_channel_credentials(credentials)
+            self._tls = (tls.context(), name)
             if "grpc.ssl_target_name_override" in opts:
                 host = name                        # as grpcio: the override is the authority too
         self._authority = str(opts.get("grpc.default_authority", _wire.format_address((host, port)))).encode()

@@ -401,3 +401,82 @@ class TlsSocketStream:
         except OSError:
             pass
         self.sock.close()
+
+
+# ------------------------------------------------------------------ call credentials
+
+PLUGIN_TIMEOUT = 30.0            # seconds a metadata plugin gets to answer
+
+
+class CallCredentialsError(Exception):
+    """A call's credentials gave no metadata: the call ends with code, details."""
+
+    def __init__(self, code, details):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+def call_plugins(credentials) -> tuple:
+    """The metadata plugins of grpc.CallCredentials (metadata_call_credentials,
+    access_token_call_credentials, composite_call_credentials), in order; grpc
+    wraps each user plugin in an object it calls as plugin(service_url,
+    method_name, callback)."""
+    if credentials is None:
+        return ()
+    inner = getattr(credentials, "_credentials", credentials)
+    if hasattr(inner, "_metadata_plugin"):
+        return (inner._metadata_plugin,)
+    if hasattr(inner, "_call_credentialses"):
+        return tuple(p for c in inner._call_credentialses for p in call_plugins(c))
+    raise TypeError(f"call credentials must come from grpc.metadata_call_credentials, "
+                    f"grpc.access_token_call_credentials or grpc.composite_call_credentials, not {credentials!r}")
+
+
+def split_channel_credentials(credentials):
+    """(TLS credentials, plugins of the call credentials composed into them
+    by grpc.composite_channel_credentials)."""
+    inner = getattr(credentials, "_credentials", None)
+    if inner is not None and hasattr(inner, "_channel_credentials") and hasattr(inner, "_call_credentialses"):
+        tls = grpc.ChannelCredentials(inner._channel_credentials)
+        return channel_credentials(tls), tuple(p for c in inner._call_credentialses for p in call_plugins(c))
+    return channel_credentials(credentials), ()
+
+
+def service_url(authority: bytes, method: str) -> str:
+    """What grpc hands a plugin: https://authority/package.Service (no :443)."""
+    host = authority.decode("ascii", "replace")
+    if host.endswith(":443"):
+        host = host[:-4]
+    service = method.rsplit("/", 1)[0] if method.count("/") >= 2 else method
+    return f"https://{host}{service}"
+
+
+def plugin_metadata(plugins, url: str, method: str, timeout: float | None = None) -> list:
+    """(key, value) pairs from each plugin, in order (blocking: a plugin may
+    answer from another thread, as google-auth's do after a token refresh).
+    Raises CallCredentialsError as grpcio reports a plugin's failure."""
+    out = []
+    name = method.rsplit("/", 1)[-1]
+    for plugin in plugins:
+        done = threading.Event()
+        result = {}
+
+        def callback(metadata, status, details, result=result, done=done):
+            result.update(metadata=metadata, status=status, details=details)
+            done.set()
+        try:
+            plugin(url, name, callback)
+        except Exception as e:                # noqa: BLE001 - reported as the call's status
+            raise CallCredentialsError(grpc.StatusCode.UNAVAILABLE,
+                                       f"Getting metadata from plugin failed with error: {e}") from None
+        if not done.wait(PLUGIN_TIMEOUT if timeout is None else max(timeout, 0.001)):
+            raise CallCredentialsError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        status = result.get("status")
+        if status is not None and int(status) != 0:
+            details = result.get("details")
+            if isinstance(details, bytes):
+                details = details.decode("utf-8", "replace")
+            raise CallCredentialsError(grpc.StatusCode.UNAVAILABLE,
+                                       f"Getting metadata from plugin failed with error: {details}")
+        out.extend(tuple(m) for m in (result.get("metadata") or ()))
+    return out

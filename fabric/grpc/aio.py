@@ -83,6 +83,8 @@ async def _open_transport(target: str, timeout, fab, tls=None):
 class _Call:
     """One RPC of an aio channel: its HTTP/2 stream, status and metadata."""
 
+    _plugins = ()                 # metadata plugins of the call's credentials
+
     def __init__(self, channel, method, serializer, deserializer, timeout, metadata, wait_for_ready,
                  compression, unary_response):
         self._channel = channel
@@ -191,8 +193,13 @@ class _Call:
             headers.append((b"grpc-timeout", _wire.encode_timeout(max(self._deadline - self._loop.time(), 0))))
         try:
             headers.extend(_wire.metadata_to_headers(self._metadata))
+            if self._plugins:
+                headers.extend(_wire.metadata_to_headers(await self._credential_metadata()))
         except ValueError as e:
             self._finish(grpc.StatusCode.INTERNAL, str(e))
+            return False
+        except _tls.CallCredentialsError as e:
+            self._finish(e.code, e.details)
             return False
         try:
             self._conn = await self._channel._connection(self._deadline)
@@ -209,6 +216,17 @@ class _Call:
             self._conn.reset(self._stream)
             return False
         return True
+
+    async def _credential_metadata(self):
+        """What the call credentials' plugins add (TLS channels only, as
+        grpcio); plugins may block (a token refresh): off the event loop."""
+        if self._channel._tls is None:
+            raise _tls.CallCredentialsError(grpc.StatusCode.UNAUTHENTICATED, "Established channel does not have "
+                                            "a sufficient security level to transfer call credential.")
+        left = None if self._deadline is None else self._deadline - self._loop.time()
+        return await self._loop.run_in_executor(
+            None, _tls.plugin_metadata, self._plugins, _tls.service_url(self._channel._authority, self._method),
+            self._method, left)
 
     async def _send(self, request, end_stream=False) -> bool:
         if self._code is not None:
@@ -680,18 +698,19 @@ class _MultiCallable:
         intercepted = _INTERCEPTOR_KINDS[self._kind][1]
         interceptors = self._channel._interceptors_of[self._kind]
         if not interceptors:
-            return self._invoke(request, self._method, timeout, metadata, wait_for_ready, compression)
+            return self._invoke(request, self._method, timeout, metadata, wait_for_ready, compression, credentials)
         details = grpc.aio.ClientCallDetails(self._method.encode(), timeout, Metadata(*tuple(metadata or ())),
                                              credentials, wait_for_ready)     # bytes, as grpc.aio gives it
         return intercepted(interceptors, self._kind, request, details,
                            lambda d, req: self._invoke(req, d.method, d.timeout, d.metadata,
-                                                       d.wait_for_ready, compression))
+                                                       d.wait_for_ready, compression, d.credentials))
 
-    def _invoke(self, request, method, timeout, metadata, wait_for_ready, compression):
+    def _invoke(self, request, method, timeout, metadata, wait_for_ready, compression, credentials=None):
         if isinstance(method, bytes):
             method = method.decode()
         call = self._call_class(request, self._channel, method, self._serialize, self._deserialize,
                                 timeout, metadata, wait_for_ready, compression)
+        call._plugins = self._channel._call_plugins + _tls.call_plugins(credentials)
         self._channel._calls.add(call)
         return call
 
@@ -747,12 +766,14 @@ class Channel(grpc.aio.Channel):
         self._max_receive = int(opts.get("grpc.max_receive_message_length", _wire.DEFAULT_MAX_RECEIVE))
         self._keepalive = _keepalive.Settings(opts, server=False)
         self._tls = None
+        self._call_plugins = ()
         if credentials is not None:
             if backend is not None:
                 raise ValueError(f"secure channels are for plain TCP targets (host:port), not {target!r}: "
                                  "fabric connections are meant for a trusted cluster network")
             name = _tls.target_name(opts, host)
-            self._tls = (_tls.channel_credentials(credentials).context(), name)
+            tls, self._call_plugins = _tls.split_channel_credentials(credentials)
+            self._tls = (tls.context(), name)
             if "grpc.ssl_target_name_override" in opts:
                 host = name                        # as grpcio: the override is the authority too
         self._authority = str(opts.get("grpc.default_authority", _wire.format_address((host, port)))).encode()
