@@ -15,6 +15,8 @@ is a client process and a server process of its own:
   fabric-to-grpcio  a fabric.grpc client calling a stock grpcio server over TCP
               (the interop path)
 Rounds are interleaved across contenders; medians; ratios fabric / grpcio.
+The asyncio stacks (grpc.aio against fabric.grpc.aio, the same payloads plus 1000
+concurrent calls on one channel) are bench/grpc_aio_compare.py.
 """
 from __future__ import annotations
 
