@@ -600,18 +600,9 @@ class Channel(grpc.Channel):
         self._max_send = int(opts.get("grpc.max_send_message_length", -1))
         self._max_receive = int(opts.get("grpc.max_receive_message_length", _wire.DEFAULT_MAX_RECEIVE))
         self._keepalive = _keepalive.Settings(opts, server=False)
-        self._tls = None
-        self._call_plugins = ()
-        if credentials is not None:
-            if backend is not None:
-                raise ValueError(f"secure channels are for plain TCP targets (host:port), not {target!r}: "
-                                 "fabric connections are meant for a trusted cluster network")
-            name = _tls.target_name(opts, host)
-            tls, self._call_plugins = _tls.split_channel_credentials(credentials)
-            self._tls = (tls.context(), name)
-            if "grpc.ssl_target_name_override" in opts:
-                host = name                        # as grpcio: the override is the authority too
-        self._authority = str(opts.get("grpc.default_authority", _wire.format_address((host, port)))).encode()
+        self._tls, self._call_plugins, authority = _tls.channel_security(credentials, opts, backend, target,
+                                                                         host, port)
+        self._authority = str(opts.get("grpc.default_authority", authority)).encode()
         self._encoding = _wire.encoding_of(compression if compression is not None
                                            else opts.get("grpc.default_compression_algorithm"))
         self._conn = None

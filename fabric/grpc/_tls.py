@@ -178,6 +178,21 @@ def target_name(options: dict, host: str) -> str:
     return str(options.get("grpc.ssl_target_name_override") or host)
 
 
+def channel_security(credentials, options: dict, backend, target: str, host: str, port: int):
+    """For a channel: (TLS as (ssl context, server name) or None, the call
+    credentials' plugins composed into credentials, the default authority)."""
+    if credentials is None:
+        return None, (), _wire.format_address((host, port))
+    if backend is not None:
+        raise ValueError(f"secure channels are for plain TCP targets (host:port), not {target!r}: "
+                         "fabric connections are meant for a trusted cluster network")
+    name = target_name(options, host)
+    tls, plugins = split_channel_credentials(credentials)
+    if "grpc.ssl_target_name_override" in options:
+        host = name                        # as grpcio: the override is the authority too
+    return (tls.context(), name), plugins, _wire.format_address((host, port))
+
+
 def auth_context(tls) -> dict:
     """grpcio's auth_context() keys for a TLS connection (an ssl.SSLObject or
     SSLSocket); the peer's certificate ones only if it sent one we verified."""
