@@ -1782,6 +1782,9 @@ cdef void* progress_thread_main(void* arg) noexcept nogil:
                 ms = 1000
         if arm_all(w):
             ms = 0
+        # Progress a loop has not been told of (made while it was not
+        # watching) must not wait for this sleep to end as well.
+        notify_loop(w)
         wunlock(w)
         n = epoll_wait(w.epfd, evs, 64, ms)
         wlock(w)
