@@ -49,7 +49,12 @@ def probe(name: str):
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        result = (None, f"not built into this installation ({e})")
+        if name == "ucx" and ("libucp" in str(e) or "libucs" in str(e)):
+            # built against the libucx wheel (an isolated pip build), which is not installed here
+            result = (None, f"the UCX libraries it was built against are missing ({e}); "
+                            "pip install 'fabric-transport[ucx]' (or libucx-cu12)")
+        else:
+            result = (None, f"not built into this installation ({e})")
     else:
         cls = getattr(module, cls_name)
         ok, reason = cls.available()

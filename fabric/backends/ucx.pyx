@@ -1128,7 +1128,9 @@ cdef class UcxBackend(Backend):
         built, loaded = runtime_version()
         if built != loaded:
             return False, (f"fabric was built against UCX {built[0]}.{built[1]} but loaded UCX "
-                           f"{loaded[0]}.{loaded[1]} (both use libucp.so.0; see README, 'UCX builds')")
+                           f"{loaded[0]}.{loaded[1]} (both use libucp.so.0): install the one it was built "
+                           f"against (pip install 'fabric-transport[ucx]' for the libucx wheel) or rebuild "
+                           f"against the loaded one (FABRIC_UCX=system); README, 'UCX builds'")
         return True, f"UCX {loaded[0]}.{loaded[1]}"
 
     def open_domain(self, dict options):

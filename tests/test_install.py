@@ -1,0 +1,97 @@
+"""A user's install: `pip wheel` of this checkout with build isolation (the
+build backend brings the libucx wheel into the build environment), then the
+wheel in fresh virtual environments, with the [ucx] extra and without. With
+it the ucx backend works (a round trip over UCX_TLS=tcp); without it the ucx
+backend says what to install; tcp works in both; nothing goes to stdout but
+what the program prints."""
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = [pytest.mark.timeout(900)]
+
+PROGRAM = r"""
+import json, sys, fabric
+avail = fabric.available_backends()
+out = {"backends": {k: list(v) for k, v in avail.items()}}
+for name in ("tcp", "ucx"):
+    if not avail[name][0]:
+        continue
+    fab = fabric.Fabric(name)
+    lst = fab.listen("127.0.0.1:0")
+    ep = fab.connect(lst.address, timeout=20)
+    peer = lst.accept(timeout=20)
+    ep.send(b"x" * 100000)
+    out[name] = len(peer.recv(timeout=20))
+    fab.close()
+print(json.dumps(out))
+"""
+
+
+def _run(cmd, **kw):
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=800, **kw)
+    if r.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return r
+
+
+@pytest.fixture(scope="module")
+def wheel():
+    if shutil.which("git") is None:
+        pytest.skip("needs git to copy the checkout")
+    work = tempfile.mkdtemp(prefix="fabric-install-")
+    src = os.path.join(work, "src")
+    # the committed tree plus uncommitted changes, without build products
+    _run(["git", "-C", ROOT, "worktree", "add", "--detach", "-f", src, "HEAD"])
+    try:
+        diff = _run(["git", "-C", ROOT, "diff", "HEAD", "--binary"]).stdout
+        if diff.strip():
+            subprocess.run(["git", "-C", src, "apply", "--whitespace=nowarn", "-"], input=diff, text=True,
+                           check=True, capture_output=True)
+        out = os.path.join(work, "dist")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FABRIC_")}
+        _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", out, src], env=env)
+        wheels = [os.path.join(out, f) for f in os.listdir(out) if f.endswith(".whl")]
+        assert len(wheels) == 1, wheels
+        yield work, wheels[0]
+    finally:
+        subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", src], capture_output=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _venv_with(work, name, *requirements):
+    venv = os.path.join(work, name)
+    _run([sys.executable, "-m", "venv", venv])
+    python = os.path.join(venv, "bin", "python")
+    _run([python, "-m", "pip", "install", "-q", *requirements])
+    return python
+
+
+def test_the_wheel_with_the_ucx_extra_runs_ucx(wheel):
+    work, path = wheel
+    python = _venv_with(work, "with-ucx", f"{path}[ucx]")
+    env = dict(os.environ, UCX_TLS="tcp")
+    r = _run([python, "-c", PROGRAM], env=env, cwd=work)
+    import json
+    out = json.loads(r.stdout)                    # only the program's line: nothing else on stdout
+    assert out["tcp"] == 100000
+    assert out["backends"]["ucx"][0], out["backends"]["ucx"]
+    assert out["ucx"] == 100000
+
+
+def test_the_wheel_without_the_extra_says_what_ucx_needs(wheel):
+    work, path = wheel
+    python = _venv_with(work, "plain", path)
+    r = _run([python, "-c", PROGRAM], cwd=work)
+    import json
+    out = json.loads(r.stdout)
+    assert out["tcp"] == 100000
+    ok, reason = out["backends"]["ucx"]
+    # no UCX at all, or (where Debian's libucx is installed) a UCX of another version
+    assert not ok and "fabric-transport[ucx]" in reason, reason
