@@ -15,6 +15,7 @@ import collections
 import struct
 import threading
 import time
+import weakref
 
 import grpc
 import h2.config
@@ -390,10 +391,18 @@ class Connection:
         _keepalive.shared_timers().schedule(time.monotonic() + LINGER, lambda: self._fail(reason))
 
     def _schedule_tick(self, when):
-        """The next tick replaces any scheduled one."""
+        """The next tick replaces any scheduled one. The timer holds the
+        connection weakly: a closed one is not kept until its tick (a
+        server's idle connections tick every two hours)."""
         self._tick_generation += 1
         generation = self._tick_generation
-        _keepalive.shared_timers().schedule(when, lambda: self._keepalive_tick(generation))
+        ref = weakref.ref(self)
+
+        def tick():
+            conn = ref()
+            if conn is not None:
+                conn._keepalive_tick(generation)
+        _keepalive.shared_timers().schedule(when, tick)
 
     def _keepalive_tick(self, generation):
         """(timer thread) Pings, their watchdog, max age and idle."""
