@@ -89,7 +89,16 @@ class Peer:
         full_env.update(env or {})
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env=full_env)
-        line = self.proc.stdout.readline().strip()
+        # byte by byte from the descriptor: a buffered readline could take the
+        # lines after it too, and communicate() (in wait) reads the descriptor
+        # itself, so those lines were lost to the test
+        raw = bytearray()
+        while not raw.endswith(b"\n"):
+            b = os.read(self.proc.stdout.fileno(), 1)
+            if not b:
+                break
+            raw += b
+        line = raw.decode(errors="replace").strip()
         if not line:
             err = self.proc.stderr.read()
             raise RuntimeError(f"peer {role} failed to start: {err}")
