@@ -276,12 +276,7 @@ class TlsSocketStream:
                 break
             except ssl.SSLWantReadError:
                 self._send_out()
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise errors.Timeout("TLS handshake timed out")
-                raw = self._recv_raw(remaining)
-                if raw is None:
-                    raise errors.Timeout("TLS handshake timed out")
+                raw = self._recv_by(deadline, "TLS handshake timed out")
                 if not raw:
                     raise errors.ConnectionLost("the peer closed the connection during the TLS handshake")
                 self._incoming.write(raw)
@@ -306,6 +301,15 @@ class TlsSocketStream:
             return self.sock.recv(READ_SIZE)
         except OSError as e:
             raise errors.ConnectionLost(f"socket read failed: {e}") from None
+
+    def _recv_by(self, deadline, why: str) -> bytes:
+        """Ciphertext arriving before deadline (None: wait), b"" at end of
+        stream; Timeout(why) if none came in time."""
+        remaining = None if deadline is None else deadline - time.monotonic()
+        raw = None if remaining is not None and remaining <= 0 else self._recv_raw(remaining)
+        if raw is None:
+            raise errors.Timeout(why)
+        return raw
 
     def _send_out(self, best_effort=False):
         """Write what the SSL object produced. Blocking callers (writers, the
@@ -355,12 +359,7 @@ class TlsSocketStream:
                 self._send_out(best_effort=True)
             if got is not None:
                 return got
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise errors.Timeout("nothing to read yet")
-            raw = self._recv_raw(remaining)
-            if raw is None:
-                raise errors.Timeout("nothing to read yet")
+            raw = self._recv_by(deadline, "nothing to read yet")
             with self._tls_lock:
                 if raw:
                     self._incoming.write(raw)
