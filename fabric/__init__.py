@@ -12,18 +12,18 @@
 The distribution is `fabric-transport`; it cannot share an environment with
 the unrelated SSH tool published on PyPI as `fabric` (same import name).
 """
-from fabric.errors import (BackendUnavailable, BusyError, ConnectionClosed, ConnectionLost,
+from fabric.errors import (AddressError, BackendUnavailable, BusyError, ConnectionClosed, ConnectionLost,
                            FabricError, MessageTooLarge, ProtocolError, RemoteAccessError,
                            ResourceLimit, Timeout)
 from fabric.protocol.engine import Endpoint, Listener, Message, Request
-from fabric.api import Fabric, connect, default_fabric, listen
+from fabric.api import Fabric, aconnect, connect, default_fabric, listen
 from fabric.backends import available as available_backends
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Fabric", "Endpoint", "Listener", "Message", "Request", "listen", "connect",
+    "Fabric", "Endpoint", "Listener", "Message", "Request", "listen", "connect", "aconnect",
     "default_fabric", "available_backends", "FabricError", "ProtocolError", "ConnectionLost",
     "ConnectionClosed", "Timeout", "BackendUnavailable", "MessageTooLarge",
-    "RemoteAccessError", "BusyError", "ResourceLimit",
+    "RemoteAccessError", "BusyError", "ResourceLimit", "AddressError",
 ]

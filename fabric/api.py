@@ -6,7 +6,7 @@ import os
 import threading
 
 from fabric import backends, options as _options
-from fabric.address import parse as _parse_address
+from fabric.address import parse as _parse_address, scheme as _address_scheme
 from fabric.protocol.engine import Worker
 
 
@@ -98,22 +98,38 @@ class Fabric:
         return f"<fabric.Fabric backend={self.backend.name}{state}>"
 
 
-_default = None
+_defaults: dict[str, Fabric] = {}
 _default_lock = threading.Lock()
 
 
-def default_fabric() -> Fabric:
-    """The Fabric behind module-level fabric.listen / fabric.connect."""
-    global _default
+def default_fabric(backend: str | None = None) -> Fabric:
+    """The Fabric behind module-level fabric.listen / fabric.connect: one per
+    backend name asked for (None: $FABRIC_BACKEND or auto), made on first use."""
+    key = (backend or "").strip().lower() or None
     with _default_lock:
-        if _default is None:
-            _default = Fabric()
-        return _default
+        fab = _defaults.get(key)
+        if fab is None or fab.closed:
+            fab = _defaults[key] = Fabric(key)
+        return fab
+
+
+def _fabric_for(address: str) -> Fabric:
+    named = _address_scheme(address)
+    return default_fabric(None if named in (None, "auto") else named)
 
 
 def listen(address: str = "127.0.0.1:0"):
-    return default_fabric().listen(address)
+    """A Listener of the default Fabric; a scheme ("ucx://127.0.0.1:0",
+    "fabric+tcp://...") picks the default Fabric of that backend."""
+    return _fabric_for(address).listen(address)
 
 
 def connect(address: str, timeout: float | None = None):
-    return default_fabric().connect(address, timeout)
+    """An Endpoint from the default Fabric, or from the default Fabric of the
+    backend the address's scheme names ("fabric+ucx://host:port")."""
+    return _fabric_for(address).connect(address, timeout)
+
+
+async def aconnect(address: str, timeout: float | None = None):
+    """connect() for asyncio."""
+    return await _fabric_for(address).aconnect(address, timeout)

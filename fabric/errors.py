@@ -30,6 +30,11 @@ class BackendUnavailable(FabricError):
     """The requested backend cannot be used here; the message says why."""
 
 
+class AddressError(FabricError, ValueError):
+    """An address fabric cannot parse, or one naming another backend than the
+    Fabric it was given to."""
+
+
 class MessageTooLarge(FabricError, ValueError):
     """recv_into's buffer is smaller than the next message (which is kept),
     or a message exceeds the configured maximum."""

@@ -39,11 +39,63 @@ def test_address_parsing():
     assert parse("127.0.0.1:5") == ("127.0.0.1", 5)
     assert parse("[::1]:80") == ("::1", 80)
     assert parse("tcp://h:1", "tcp") == ("h", 1)
-    for bad in ["nohost", "::1:80", "h:99999", "[::1]80"]:
-        with pytest.raises(ValueError):
+    assert parse("fabric+tcp://h:1", "tcp") == ("h", 1)
+    assert parse("fabric://h:1", "ucx") == ("h", 1)
+    assert parse("softroce://h:1", "verbs") == ("h", 1)
+    for bad in ["nohost", "::1:80", "h:99999", "[::1]80", "h:port", "pigeon://h:1"]:
+        with pytest.raises(fabric.AddressError):
             parse(bad)
-    with pytest.raises(ValueError, match="names backend"):
+    with pytest.raises(fabric.AddressError, match="names backend"):
         parse("ucx://h:1", "tcp")
+
+
+def test_address_errors_are_fabric_errors_and_value_errors():
+    fab = fabric.Fabric("tcp")
+    try:
+        for bad in ["nohost", "fabric+ucx://127.0.0.1:1"]:
+            with pytest.raises(fabric.AddressError) as info:
+                fab.connect(bad, timeout=1)
+            assert isinstance(info.value, fabric.FabricError) and isinstance(info.value, ValueError)
+        with pytest.raises(fabric.AddressError, match="Fabric\\('ucx'\\)"):
+            fab.listen("ucx://127.0.0.1:0")
+    finally:
+        fab.close()
+
+
+@pytest.mark.parametrize("name", ["tcp", "ucx"])
+def test_module_level_functions_take_the_backend_from_the_scheme(name, monkeypatch):
+    ok, reason = backends.available()[name]
+    if not ok:
+        pytest.skip(f"backend {name} unavailable here: {reason}")
+    monkeypatch.setenv("FABRIC_BACKEND", "tcp" if name != "tcp" else "ucx")  # the scheme must win
+    lst = fabric.listen(f"{name}://127.0.0.1:0")
+    ep = fabric.connect(f"fabric+{name}://{lst.address}", timeout=10)
+    peer = lst.accept(timeout=10)
+    try:
+        assert fabric.default_fabric(name).name == name
+        ep.send(b"scheme")
+        assert bytes(peer.recv(timeout=10)) == b"scheme"
+    finally:
+        ep.close(); peer.close(); lst.close()
+
+
+def _ucx_in_subprocess(env_tls):
+    import subprocess, sys, os
+    code = ("import fabric\n"
+            "try:\n    fabric.Fabric('ucx')\n"
+            "except fabric.BackendUnavailable as e:\n    import sys; sys.stderr.write('REFUSED ' + str(e))\n")
+    env = dict(os.environ, UCX_TLS=env_tls)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("tls,expected", [("", "UCX_TLS is set but empty"), ("nosuchtl", "none of the transports")])
+def test_ucx_says_why_it_cannot_start_from_the_users_ucx_tls(tls, expected):
+    ok, reason = backends.available()["ucx"]
+    if not ok:
+        pytest.skip(f"backend ucx unavailable here: {reason}")
+    done = _ucx_in_subprocess(tls)
+    assert "REFUSED" in done.stderr and expected in done.stderr, done.stderr
+    assert done.stdout == ""          # UCX's own complaint goes to stderr too
 
 
 def test_auto_prefers_ucx_only_when_configured(monkeypatch):

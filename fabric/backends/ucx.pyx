@@ -1098,6 +1098,18 @@ def shared_memory_only(tls):
     return bool(names) and not tls.strip().startswith("^") and all(n in SHARED_MEMORY_TLS for n in names)
 
 
+def init_failure(str what):
+    """Why ucp_init failed, in terms of what the user set."""
+    tls = os.environ.get("UCX_TLS")
+    if tls is not None and not tls.strip():
+        return ("UCX cannot start: UCX_TLS is set but empty, which leaves UCX no transport "
+                f"({what}); unset it to let UCX choose, or name transports, e.g. UCX_TLS=sm or UCX_TLS=tcp")
+    if tls:
+        return (f"UCX cannot start with UCX_TLS={tls!r} ({what}): none of the transports it names is "
+                "usable here; `python -m fabric info` lists the transports UCX sees")
+    return f"UCX initialisation failed: {what}"
+
+
 def runtime_version():
     """(compiled API version, loaded library version) as (major, minor) pairs."""
     cdef unsigned built = fab_ucx_api_version(), loaded = fab_ucx_runtime_version()
@@ -1154,7 +1166,8 @@ cdef class UcxBackend(Backend):
             st = fab_ucx_init(&d.context, &d.worker)
         if st != UCS_OK:
             free(d)
-            raise OSError(f"UCX initialisation failed: {ucs_status_string(st).decode()}")
+            from fabric.errors import BackendUnavailable
+            raise BackendUnavailable(init_failure(ucs_status_string(st).decode()))
         d.refs = 1
         d.peer_errors = not shared_memory_only(os.environ.get("UCX_TLS", ""))
         dom.d = d

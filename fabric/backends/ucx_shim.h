@@ -48,8 +48,10 @@ static inline ucs_status_t fab_ucx_init(ucp_context_h *context, ucp_worker_h *wo
     /* UCX's TCP lanes retry a connect the peer reset (lost simultaneous-connect
      * race, full accept queue) only 25 times, back to back; on a loaded 2-core
      * host that budget runs out while the peer is merely slow to progress.
-     * Best effort: older UCX cannot set transport keys through UCP. */
-    if (getenv("UCX_TCP_MAX_CONN_RETRIES") == NULL)
+     * Only UCX >= 1.17 resolves a transport's prefixed key given to UCP
+     * (uct_config_modify learnt table prefixes then); older ones keep the key
+     * unused and warn "invalid configuration" at ucp_init (1.13 on stdout). */
+    if (getenv("UCX_TCP_MAX_CONN_RETRIES") == NULL && fab_ucx_runtime_version() >= UCP_VERSION(1, 17))
         (void)ucp_config_modify(config, "TCP_MAX_CONN_RETRIES", "255");
     status = ucp_init(&params, config, context);
     ucp_config_release(config);
