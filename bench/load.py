@@ -336,10 +336,15 @@ def client_async(eps, tally, seed, max_size, pool, stop, gate):
 
 def run(backend="tcp", connections=256, threads=4, duration=60.0, max_size=64 << 20, env=None):
     """One load run; returns the report (see the module doc)."""
+    # env: variables to set for this run, None to unset one
     full_env = dict(os.environ, PYTHONPATH=ROOT)
-    full_env.update(env or {})
     saved = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
+    for k, v in (env or {}).items():
+        if v is None:
+            full_env.pop(k, None)
+            os.environ.pop(k, None)
+        else:
+            full_env[k] = os.environ[k] = v
     server = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", "--backend", backend,
                                "--connections", str(connections), "--threads", str(threads),
                                "--max-size", str(max_size)],

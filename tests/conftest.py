@@ -16,9 +16,11 @@ from fabric import backends
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-# A variant is a backend plus the transport environment it runs with: ucx is
-# tested over UCX's tcp transport and over shared memory.
-VARIANTS = {"tcp": ("tcp", {}), "ucx-tcp": ("ucx", {"UCX_TLS": "tcp"}),
+# A variant is a backend plus the transport environment it runs with (None:
+# the variable unset): ucx as a user gets it (UCX_TLS unset: shared memory
+# negotiated between processes of this host), over UCX's tcp transport and
+# over shared memory only.
+VARIANTS = {"tcp": ("tcp", {}), "ucx": ("ucx", {"UCX_TLS": None}), "ucx-tcp": ("ucx", {"UCX_TLS": "tcp"}),
             "ucx-sm": ("ucx", {"UCX_TLS": "sm"}), "verbs": ("verbs", {})}
 ENDPOINT_BACKENDS = [b for b in os.environ.get("FABRIC_TEST_BACKENDS", ",".join(VARIANTS)).split(",") if b]
 
@@ -29,8 +31,11 @@ def backend_name(request, monkeypatch):
     ok, reason = backends.available().get(name, (False, "unknown backend"))
     if not ok:
         pytest.skip(f"backend {name} unavailable here: {reason}")
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)      # read when each Fabric (and peer process) starts
+    for k, v in env.items():          # read when each Fabric (and peer process) starts
+        if v is None:
+            monkeypatch.delenv(k, raising=False)
+        else:
+            monkeypatch.setenv(k, v)
     return name
 
 

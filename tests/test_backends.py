@@ -98,9 +98,57 @@ def test_ucx_says_why_it_cannot_start_from_the_users_ucx_tls(tls, expected):
     assert done.stdout == ""          # UCX's own complaint goes to stderr too
 
 
-def test_auto_prefers_ucx_only_when_configured(monkeypatch):
+def test_auto_order_is_fastest_first():
     from fabric.backends import auto_order
-    monkeypatch.delenv("UCX_TLS", raising=False)
-    assert auto_order() == ("verbs", "tcp")
-    monkeypatch.setenv("UCX_TLS", "sm")
     assert auto_order() == ("verbs", "ucx", "tcp")
+
+
+def _ucx_lanes(server_tls, client_tls):
+    """Run an echo between two processes with the given UCX_TLS (None:
+    unset) and UCX_PROTO_INFO=y; the set of UCX transports in the protocol
+    tables each side printed (to stderr)."""
+    import os, re, subprocess, sys
+    from conftest import HERE, ROOT
+
+    def env(tls):
+        e = dict(os.environ, PYTHONPATH=ROOT, UCX_PROTO_INFO="y")
+        e.pop("UCX_TLS", None)
+        if tls is not None:
+            e["UCX_TLS"] = tls
+        return e
+
+    peers = os.path.join(HERE, "peers.py")
+    server = subprocess.Popen([sys.executable, peers, "echo_at", "ucx", "127.0.0.1:0", "3"], env=env(server_tls),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        address = server.stdout.readline().strip()
+        client = subprocess.run([sys.executable, peers, "echo_client", "ucx", address, "8,70000,2000000"],
+                                env=env(client_tls), capture_output=True, text=True, timeout=60)
+        _, server_err = server.communicate(timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+    assert client.returncode == 0 and "ok" in client.stdout, client.stderr[-2000:]
+    assert server.returncode == 0, server_err[-2000:]
+    lanes = lambda text: set(re.findall(r"\|\s*([a-z_0-9]+)/[a-z_0-9]+\s*\|", text))
+    return lanes(server_err), lanes(client.stderr)
+
+
+def test_ucx_without_ucx_tls_uses_shared_memory_between_processes_of_one_host():
+    ok, reason = backends.available()["ucx"]
+    if not ok:
+        pytest.skip(f"backend ucx unavailable here: {reason}")
+    for side in _ucx_lanes(None, None):
+        assert side and "tcp" not in side, side            # before: tcp lanes only (PEER mode)
+        assert side & {"sysv", "posix", "cma"}, side
+
+
+def test_ucx_explicit_tcp_on_one_side_keeps_both_on_peer_error_handling():
+    ok, reason = backends.available()["ucx"]
+    if not ok:
+        pytest.skip(f"backend ucx unavailable here: {reason}")
+    server, client = _ucx_lanes("tcp", None)
+    assert "tcp" in server and "tcp" in client, (server, client)
+    assert not client & {"sysv", "posix"}, client
+
+

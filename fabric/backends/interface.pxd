@@ -136,7 +136,8 @@ cdef struct fab_channel:
     fab_channel* ready_next
     int is_ready
     void* owner                    # the engine's endpoint; backends never touch it
-    uint32_t caps
+    uint32_t caps                  # final once the channel delivers its first message: a
+                                   # backend may change them until then (ucx settles its mode)
     size_t max_recv                # largest fabric message the engine accepts
     uint32_t recv_depth            # receive buffers to keep posted, for fabrics that post
                                    # receives: recv_depth_for(options); a stream ignores it

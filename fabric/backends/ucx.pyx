@@ -32,8 +32,9 @@ import os
 
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport malloc, calloc, realloc, free
-from libc.string cimport memcpy, memset
+from libc.string cimport memcmp, memcpy, memset
 from posix.uio cimport iovec
+from posix.unistd cimport getpid as c_getpid
 
 from fabric._posix cimport *
 from fabric._bytes cimport wr16, wr32, wr64, rd16, rd32, rd64
@@ -125,9 +126,12 @@ cdef double CLOSE_GRACE = 0.02    # seconds close() lets a live peer's cancellat
 
 cdef enum:
     BOOT_MAGIC = 0x58435546      # "FUCX"
-    BOOT_VERSION = 2
-    BOOT_FIXED = 20
+    BOOT_VERSION = 3
+    BOOT_HOST = 20               # offset of the host identity (HOST_ID bytes)
+    HOST_ID = 32
+    BOOT_FIXED = BOOT_HOST + HOST_ID
     BOOT_PEER_ERRORS = 1         # bootstrap flag: PEER error handling offered
+    BOOT_LOCAL_NONE = 2          # flag: offers error mode NONE to a peer on this host
     MAX_ADDRESS = 65536
     ST_BOOT = 1
     ST_READY = 2
@@ -177,6 +181,8 @@ cdef struct ucx_domain:
     ucp_worker_h worker
     int efd
     int peer_errors      # can ask UCX for peer-failure reports (not on shared memory only)
+    int local_none       # offers error mode NONE (shared memory) to peers on this host
+    char host_id[HOST_ID]  # equal on both sides: same boot, namespaces and user
     int refs
     ucx_chan** chans     # channel table, for routing active messages
     uint32_t* gens
@@ -312,7 +318,7 @@ cdef class UcxDomain:
         cdef ucx_domain* d = self.d
         if d == NULL:
             return
-        if self.pid != os.getpid():
+        if self.pid != c_getpid():
             self.d = NULL
             return
         self.d = NULL
@@ -553,9 +559,11 @@ cdef int boot_make(ucx_chan* ch) noexcept nogil:
         return fail_ready(ch, ENOMEM, "bootstrap")
     wr32(ch.bout, BOOT_MAGIC)
     wr16(ch.bout + 4, BOOT_VERSION)
-    wr16(ch.bout + 6, BOOT_PEER_ERRORS if ch.dom.peer_errors else 0)
+    wr16(ch.bout + 6, (BOOT_PEER_ERRORS if ch.dom.peer_errors else 0)
+                      | (BOOT_LOCAL_NONE if ch.dom.local_none else 0))
     wr64(ch.bout + 8, ch.key)
     wr32(ch.bout + 16, <uint32_t>alen)
+    memcpy(ch.bout + BOOT_HOST, ch.dom.host_id, HOST_ID)
     memcpy(ch.bout + BOOT_FIXED, address, alen)
     ch.bout_len = BOOT_FIXED + alen
     ucp_worker_release_address(ch.dom.worker, address)
@@ -596,7 +604,7 @@ cdef int boot_progress(ucx_chan* ch) noexcept nogil:
             alen = rd32(ch.bin + 16)
             if rd32(ch.bin) != BOOT_MAGIC or rd16(ch.bin + 4) != BOOT_VERSION:
                 return fail_ready(ch, EPROTO, "peer is not a fabric ucx endpoint of this version (bad bootstrap)")
-            if rd16(ch.bin + 6) & ~BOOT_PEER_ERRORS:
+            if rd16(ch.bin + 6) & ~(BOOT_PEER_ERRORS | BOOT_LOCAL_NONE):
                 return fail_ready(ch, EPROTO, "peer sent unknown bootstrap flags")
             if alen == 0 or alen > MAX_ADDRESS:
                 return fail_ready(ch, EPROTO, "peer sent an implausible UCX worker address")
@@ -608,8 +616,17 @@ cdef int boot_progress(ucx_chan* ch) noexcept nogil:
     if ch.bout_done < ch.bout_len or ch.bin_len < ch.bin_need:
         return 0
     ch.peer_key = rd64(ch.bin + 8)
-    # both sides derive the same mode from the two offers
+    # Both sides derive the same mode from the two offers. PEER mode makes
+    # UCX drop its shared-memory transports (they cannot report a failed
+    # peer); two processes of one host that both offer NONE use them, and
+    # learn of a dead peer from the bootstrap socket, as with UCX_TLS=sm.
     peer_errors = ch.dom.peer_errors and (rd16(ch.bin + 6) & BOOT_PEER_ERRORS)
+    if (peer_errors and ch.dom.local_none and (rd16(ch.bin + 6) & BOOT_LOCAL_NONE)
+            and memcmp(ch.bin + BOOT_HOST, ch.dom.host_id, HOST_ID) == 0):
+        peer_errors = 0
+        # shared memory's GET (cma) is real: the engine may pull again (its
+        # pulls fail cleanly with the peer, UCX's rendezvous sends would not)
+        ch.base.caps &= ~FAB_CAP_LARGE_NATIVE_ONLY
     st = fab_ucx_ep_create(ch.dom.worker, <ucp_address_t*>(ch.bin + BOOT_FIXED), peer_errors,
                            on_ep_error, ch, &ch.ep)
     if st != UCS_OK:
@@ -1110,6 +1127,24 @@ def init_failure(str what):
     return f"UCX initialisation failed: {what}"
 
 
+def host_identity():
+    """HOST_ID bytes that two processes share exactly when UCX's shared-memory
+    transports can join them: one boot of one kernel, the same IPC, mount and
+    PID namespaces (posix/sysv segments, /dev/shm, cma's process ids) and the
+    same user (cma needs ptrace rights)."""
+    import hashlib
+    parts = []
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            parts.append(f.read().strip())
+        for ns in ("ipc", "mnt", "pid"):
+            parts.append(os.readlink(f"/proc/self/ns/{ns}").encode())
+    except OSError:
+        parts = [os.urandom(16)]      # cannot tell: never equal to a peer's
+    parts.append(str(os.geteuid()).encode())
+    return hashlib.sha256(b"\0".join(parts)).digest()
+
+
 def runtime_version():
     """(compiled API version, loaded library version) as (major, minor) pairs."""
     cdef unsigned built = fab_ucx_api_version(), loaded = fab_ucx_runtime_version()
@@ -1170,6 +1205,11 @@ cdef class UcxBackend(Backend):
             raise BackendUnavailable(init_failure(ucs_status_string(st).decode()))
         d.refs = 1
         d.peer_errors = not shared_memory_only(os.environ.get("UCX_TLS", ""))
+        # Only when the user left the transports to UCX: an explicit UCX_TLS
+        # (tcp, say) is honoured as given.
+        d.local_none = d.peer_errors and not os.environ.get("UCX_TLS", "").strip()
+        ident = host_identity()
+        memcpy(d.host_id, <const char*>ident, HOST_ID)
         dom.d = d
         dom.pid = os.getpid()
         if ucp_worker_get_efd(d.worker, &d.efd) != UCS_OK:

@@ -27,6 +27,7 @@ from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memcpy, memset
 from posix.uio cimport iovec
+from posix.unistd cimport getpid as c_getpid
 
 from fabric._posix cimport *
 from fabric._bytes cimport wr32, rd32
@@ -230,7 +231,7 @@ cdef class VerbsDomain:
         """Drop the Fabric's reference (the device goes with the last channel).
         In a forked child it only forgets the parent's device."""
         if self.d != NULL:
-            if self.pid == os.getpid():
+            if self.pid == c_getpid():
                 domain_unref(self.d)
             self.d = NULL
 

@@ -1077,6 +1077,7 @@ cdef int on_hello(ep_t* ep, frame_t* f) noexcept nogil:
     if f.hello_credits > 65536:
         ep_fail(ep, EPROTO, "peer offers an implausible number of credits")
         return -1
+    ep.caps = ep.ch.caps          # settled by now (a backend may narrow them while connecting)
     ep.peer_credits = <int>f.hello_credits
     ep.peer_max_recv = f.hello_max_recv
     ep.peer_max_message = f.hello_max_message
