@@ -21,6 +21,12 @@ from fabric.backends import available as available_backends
 
 __version__ = "0.1.0"
 
+import logging as _logging
+
+# Quiet unless the application configures logging (logger "fabric": the
+# backend chosen and why at INFO, connections at DEBUG, failures at INFO).
+_logging.getLogger("fabric").addHandler(_logging.NullHandler())
+
 __all__ = [
     "Fabric", "Endpoint", "Listener", "Message", "Request", "listen", "connect", "aconnect",
     "default_fabric", "available_backends", "FabricError", "ProtocolError", "ConnectionLost",

@@ -2,12 +2,15 @@
 context (Worker) that its listeners and endpoints share."""
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
 from fabric import backends, options as _options
 from fabric.address import parse as _parse_address, scheme as _address_scheme
 from fabric.protocol.engine import Worker
+
+_log = logging.getLogger("fabric")
 
 
 class Fabric:
@@ -20,9 +23,15 @@ class Fabric:
 
     def __init__(self, backend: str | None = None, **options):
         name = backend or os.environ.get("FABRIC_BACKEND") or "auto"
-        self.backend = backends.get(name)
+        self.backend, self.backend_reason = backends.choose(name)
+        if not backend and os.environ.get("FABRIC_BACKEND"):
+            self.backend_reason += " by FABRIC_BACKEND"
         self.options = _options.resolve(self.backend.name, self.backend.default_options(), options)
         self._worker = Worker(self.backend, self.options)
+        if _log.isEnabledFor(logging.INFO):
+            profile = _options.profile_path()
+            _log.info("Fabric on %s (%s)%s", self.backend.name, self.backend_reason,
+                      f"; tuning profile {profile}" if profile and os.path.exists(profile) else "")
 
     @property
     def name(self) -> str:

@@ -77,23 +77,31 @@ def _explain() -> str:
 
 def get(name: str | None):
     """The Backend for a name from NAMES; 'auto' picks the fastest usable one."""
+    return choose(name)[0]
+
+
+def choose(name: str | None):
+    """(Backend, why it was chosen) for a name from NAMES."""
     key = (name or "auto").strip().lower()
     if key not in NAMES:
         raise BackendUnavailable(f"unknown fabric backend {name!r}; choose one of "
                                  f"{', '.join(NAMES)}. Backends here:\n{_explain()}")
     if key == "auto":
+        passed = []
         for candidate in auto_order():
-            backend, _ = probe(candidate)
+            backend, reason = probe(candidate)
             if backend is not None:
-                return backend
+                why = "auto: " + "; ".join(passed + [f"{candidate} is the fastest usable ({reason})"])
+                return backend, why
+            passed.append(f"{candidate} unavailable ({reason})")
         raise BackendUnavailable("no fabric backend is usable here:\n" + _explain())
     if key == "softroce":
         backend, reason = probe("verbs")
         if backend is None:
             raise BackendUnavailable(f"backend 'softroce' (verbs on an rxe device) is unavailable: "
                                      f"{reason}. Backends here:\n{_explain()}")
-        return backend.for_softroce()
+        return backend.for_softroce(), "asked for softroce"
     backend, reason = probe(key)
     if backend is None:
         raise BackendUnavailable(f"backend {key!r} is unavailable: {reason}. Backends here:\n{_explain()}")
-    return backend
+    return backend, f"asked for {key} ({reason})"

@@ -36,6 +36,7 @@ from fabric.backends.interface cimport *
 from fabric.protocol.frame cimport *
 
 import errno as _errno
+import logging as _logging
 import sys as _sys
 import warnings as _warnings
 from fabric import errors as _errors
@@ -2957,12 +2958,23 @@ cdef class Request:
         return f"<fabric.Request {self.nbytes} bytes {state}>"
 
 
+# Logger "fabric" (quiet unless the application configures logging):
+# connections at DEBUG, failures at INFO; never on a hot path.
+_log = _logging.getLogger("fabric")
+
+
+cdef str ep_names(ep_t* ep):
+    return (f"{ep.local_name.decode(errors='replace')} -> {ep.peer_name.decode(errors='replace')}")
+
+
 cdef Endpoint make_endpoint(Worker worker, ep_t* ep):
     cdef Endpoint e = Endpoint.__new__(Endpoint)
     e.ep = ep
     e.worker = worker
     e.w = worker.w
     e.key = ep.node.key
+    if _log.isEnabledFor(_logging.DEBUG):
+        _log.debug("%s connection %s opened", worker.backend.name, ep_names(ep))
     return e
 
 
@@ -3106,6 +3118,7 @@ cdef class Endpoint:
     cdef readonly uint64_t key      # identifies it to fabric.aio while open
     cdef Py_buffer async_view       # recv buffer of a _try_recv in progress
     cdef int async_view_held
+    cdef bint failure_logged
     cdef object __weakref__
 
     def __init__(self):
@@ -3138,7 +3151,11 @@ cdef class Endpoint:
         if self.ep.closed:
             return "endpoint closed"
         if self.ep.state == EP_DEAD and self.ep.error[0]:
-            return self.ep.error.decode(errors="replace")
+            text = self.ep.error.decode(errors="replace")
+            if not self.failure_logged:
+                self.failure_logged = True
+                _log.info("%s connection %s failed: %s", self.worker.backend.name, ep_names(self.ep), text)
+            return text
         return None
 
     cdef inline int _check_open(self) except -1:
@@ -3464,6 +3481,8 @@ cdef class Endpoint:
         if forked(self.w):
             raise forked_error()
         deadline = monotonic_now() + (self.w.opts.close_linger if linger is None else max(0.0, float(linger)))
+        if _log.isEnabledFor(_logging.DEBUG):
+            _log.debug("%s connection %s closed", self.worker.backend.name, ep_names(ep))
         with nogil:
             alock(self.w)
             if not ep.closed:
