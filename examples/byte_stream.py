@@ -29,7 +29,8 @@ def server(lst: StreamListener) -> None:
         digest.update(memoryview(buf)[:n])
     stream.write(digest.hexdigest().encode())
     stream.shutdown_write()                                # the client reads b"" after the digest
-    # a graceful close, which lets what was written reach the peer (Stream.close() aborts)
+    # Endpoint.close() waits (up to close_linger) until what was written has left;
+    # Stream.close() does not wait
     stream.endpoint.close()
 
 
