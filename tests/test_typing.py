@@ -5,6 +5,7 @@ mypy checks examples/ through them and catches real mistakes."""
 from __future__ import annotations
 
 import ast
+import fnmatch
 import importlib
 import inspect
 import os
@@ -242,6 +243,18 @@ def test_stub_special_members(instances):
     worker = instances["fabric.protocol.engine"]["Worker"]
     assert isinstance(worker.backend, Backend) and isinstance(worker.options, dict)
     assert _buffers._Recycler(1 << 20).idle_bytes() == 0    # __init__(limit)
+
+
+def test_the_package_ships_its_type_information():
+    """py.typed and every stub are package data (PEP 561: installed
+    checkers then use them)."""
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11")
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        patterns = tomllib.load(f)["tool"]["setuptools"]["package-data"]["*"]
+    files = ["py.typed"] + [os.path.basename(stub_path(m)) for m in STUBS]
+    assert os.path.exists(os.path.join(ROOT, "fabric", "py.typed"))
+    for name in files:
+        assert any(fnmatch.fnmatch(name, p) for p in patterns), f"{name} is not package data: {patterns}"
 
 
 def run_mypy(*args, cache=None):
