@@ -5,12 +5,20 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from typing import TYPE_CHECKING, Any
 
 from fabric import backends, options as _options
 from fabric.address import parse as _parse_address, scheme as _address_scheme
 from fabric.protocol.engine import Worker
 
 _log = logging.getLogger("fabric")
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+    from fabric.backends.interface import Backend
+    from fabric.protocol.engine import Endpoint, Listener
+    from fabric.stream import Stream, StreamListener
 
 
 class Fabric:
@@ -21,12 +29,13 @@ class Fabric:
     engine's knobs (see fabric.options), overriding profile and environment.
     """
 
-    def __init__(self, backend: str | None = None, **options):
+    def __init__(self, backend: str | None = None, **options: Any) -> None:
         name = backend or os.environ.get("FABRIC_BACKEND") or "auto"
+        self.backend: Backend
         self.backend, self.backend_reason = backends.choose(name)
         if not backend and os.environ.get("FABRIC_BACKEND"):
             self.backend_reason += " by FABRIC_BACKEND"
-        self.options = _options.resolve(self.backend.name, self.backend.default_options(), options)
+        self.options: dict[str, Any] = _options.resolve(self.backend.name, self.backend.default_options(), options)
         self._worker = Worker(self.backend, self.options)
         if _log.isEnabledFor(logging.INFO):
             profile = _options.profile_path()
@@ -37,42 +46,42 @@ class Fabric:
     def name(self) -> str:
         return self.backend.name
 
-    def listen(self, address: str = "127.0.0.1:0"):
+    def listen(self, address: str = "127.0.0.1:0") -> Listener:
         """A Listener on address ("host:port"; port 0 picks a free one)."""
         host, port = _parse_address(address, self.backend.name)
         return self._worker.listen(host, port)
 
-    def connect(self, address: str, timeout: float | None = None):
+    def connect(self, address: str, timeout: float | None = None) -> Endpoint:
         """An Endpoint connected to a Listener's address."""
         host, port = _parse_address(address, self.backend.name)
         return self._worker.connect(host, port, timeout)
 
-    def listen_stream(self, address: str = "127.0.0.1:0"):
+    def listen_stream(self, address: str = "127.0.0.1:0") -> StreamListener:
         """A StreamListener: accept() returns byte streams (fabric.stream)."""
         from fabric.stream import StreamListener
         return StreamListener(self.listen(address))
 
-    def connect_stream(self, address: str, timeout: float | None = None):
+    def connect_stream(self, address: str, timeout: float | None = None) -> Stream:
         """A byte stream (fabric.stream.Stream) to a stream listener."""
         from fabric.stream import Stream
         return Stream(self.connect(address, timeout))
 
-    async def aconnect_stream(self, address: str, timeout: float | None = None):
+    async def aconnect_stream(self, address: str, timeout: float | None = None) -> Stream:
         from fabric.stream import Stream
         return Stream(await self.aconnect(address, timeout))
 
-    async def aconnect(self, address: str, timeout: float | None = None):
+    async def aconnect(self, address: str, timeout: float | None = None) -> Endpoint:
         """connect() for asyncio: the loop connects and runs the handshake
         itself (no thread per pending connect)."""
         from fabric import aio
         host, port = _parse_address(address, self.backend.name)
         return await aio.connect(self._worker, host, port, timeout)
 
-    def progress(self):
+    def progress(self) -> None:
         """Progress every endpoint once without blocking."""
         self._worker.progress()
 
-    def close(self, linger: float | None = None):
+    def close(self, linger: float | None = None) -> None:
         """Close every listener and endpoint of this Fabric (endpoints first
         send what is queued, for at most `linger` seconds, default the
         close_linger option; pending operations then fail with
@@ -81,7 +90,7 @@ class Fabric:
         raises a FabricError."""
         self._worker.close(linger)
 
-    async def aclose(self, linger: float | None = None):
+    async def aclose(self, linger: float | None = None) -> None:
         """close() for asyncio: the loop keeps running while endpoints drain."""
         from fabric import aio
         await aio.close_fabric(self._worker, linger)
@@ -90,19 +99,19 @@ class Fabric:
     def closed(self) -> bool:
         return self._worker.closed
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    async def __aenter__(self):
+    async def __aenter__(self) -> Self:
         return self
 
-    async def __aexit__(self, *exc):
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         state = " closed" if self.closed else ""
         return f"<fabric.Fabric backend={self.backend.name}{state}>"
 
@@ -127,18 +136,18 @@ def _fabric_for(address: str) -> Fabric:
     return default_fabric(None if named in (None, "auto") else named)
 
 
-def listen(address: str = "127.0.0.1:0"):
+def listen(address: str = "127.0.0.1:0") -> Listener:
     """A Listener of the default Fabric; a scheme ("ucx://127.0.0.1:0",
     "fabric+tcp://...") picks the default Fabric of that backend."""
     return _fabric_for(address).listen(address)
 
 
-def connect(address: str, timeout: float | None = None):
+def connect(address: str, timeout: float | None = None) -> Endpoint:
     """An Endpoint from the default Fabric, or from the default Fabric of the
     backend the address's scheme names ("fabric+ucx://host:port")."""
     return _fabric_for(address).connect(address, timeout)
 
 
-async def aconnect(address: str, timeout: float | None = None):
+async def aconnect(address: str, timeout: float | None = None) -> Endpoint:
     """connect() for asyncio."""
     return await _fabric_for(address).aconnect(address, timeout)

@@ -33,6 +33,7 @@ import json
 import os
 import re
 import warnings
+from typing import Any
 
 PROFILE_FORMAT = "fabric-tuning"
 PROFILE_VERSION = 1
@@ -90,6 +91,7 @@ def parse_value(name: str, value):
     if name not in KNOBS:
         raise ValueError(f"unknown fabric option {name!r}; known: {', '.join(sorted(KNOBS))}")
     kind, lo, hi = KNOBS[name]
+    parsed: int | float
     try:
         if kind == "size":
             if isinstance(value, str):
@@ -145,7 +147,7 @@ def write_profile(backend: str, options: dict, path: str | None = None, extra: d
     path = path if path is not None else profile_path()
     if not path:
         raise ValueError("FABRIC_PROFILE=none: no profile to write")
-    doc = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "backends": {}}
+    doc: dict[str, Any] = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "backends": {}}
     if os.path.exists(path):
         try:
             with open(path, encoding="utf-8") as f:
@@ -167,7 +169,7 @@ def write_profile(backend: str, options: dict, path: str | None = None, extra: d
 
 def resolve(backend_name: str, backend_defaults: dict, overrides: dict) -> dict:
     """Defaults < backend defaults < profile < environment < keyword arguments."""
-    opts = dict(COMMON_DEFAULTS)
+    opts: dict[str, Any] = dict(COMMON_DEFAULTS)
     opts.update(backend_defaults)
     opts.update(read_profile(backend_name))
     for name in KNOBS:

@@ -19,8 +19,19 @@ writer's side (empty writes are not sent). Blocking and asyncio forms
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 from fabric import errors
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from typing_extensions import Buffer, Self, TypeAlias
+
+    from fabric.protocol.engine import Endpoint, Listener, Message, Request
+
+    # what a write takes: one buffer, or a list or tuple of buffers
+    _Data: TypeAlias = "Buffer | Sequence[Buffer]"
 
 DEFAULT_READ = 1 << 20
 
@@ -34,12 +45,12 @@ class _Gate:
         self.kind = kind
         self._lock = threading.Lock()
 
-    def __enter__(self):
+    def __enter__(self) -> _Gate:
         if not self._lock.acquire(blocking=False):
             raise errors.BusyError(f"a {self.kind} is already outstanding on this stream")
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self._lock.release()
 
 
@@ -52,10 +63,10 @@ def _nbytes(data) -> int:
 class Stream:
     """A byte stream view of an Endpoint (which it owns from now on)."""
 
-    def __init__(self, endpoint):
+    def __init__(self, endpoint: Endpoint) -> None:
         self.endpoint = endpoint
-        self._pending = None          # memoryview of a received message not yet read
-        self._pending_msg = None
+        self._pending: memoryview | None = None     # a received message not yet read
+        self._pending_msg: Message | None = None
         self._eof = False
         self._write_shut = False
         self._reading = _Gate("read")
@@ -71,15 +82,17 @@ class Stream:
         return self.endpoint.peer_address
 
     # -- reading
-    def _take_pending(self, limit: int) -> memoryview:
+    def _take_pending(self, limit: int | None = None) -> memoryview:
+        """The next bytes of the pending message, at most limit (all: None)."""
         view = self._pending
-        if len(view) <= limit:
+        assert view is not None
+        if limit is None or len(view) <= limit:
             self._pending = self._pending_msg = None
             return view
         self._pending = view[limit:]
         return view[:limit]
 
-    def _accept_message(self, msg) -> bool:
+    def _accept_message(self, msg: Message) -> bool:
         """Keep a received message; False if it was the end-of-stream mark."""
         view = memoryview(msg).cast("B")
         if len(view) == 0:
@@ -97,16 +110,16 @@ class Stream:
                     return b""
             return bytes(self._take_pending(max_bytes))
 
-    def read_message(self, timeout: float | None = None):
+    def read_message(self, timeout: float | None = None) -> memoryview | None:
         """The next whole write of the peer as a buffer (no copy), or None at
         end of stream. Bytes already buffered by read() come first."""
         with self._reading:
             if self._pending is None:
                 if self._eof or not self._accept_message(self.endpoint.recv(timeout=timeout)):
                     return None
-            return self._take_pending(len(self._pending))
+            return self._take_pending()
 
-    def read_into(self, buf, timeout: float | None = None) -> int:
+    def read_into(self, buf: Buffer, timeout: float | None = None) -> int:
         """Bytes read into buf (>= 1), or 0 at end of stream."""
         out = memoryview(buf).cast("B")
         if len(out) == 0:
@@ -128,7 +141,7 @@ class Stream:
             return len(view)
 
     # -- writing
-    def write(self, data, timeout: float | None = None) -> None:
+    def write(self, data: _Data, timeout: float | None = None) -> None:
         with self._writing:
             if self._write_shut:
                 raise errors.ConnectionClosed("write side of the stream is shut down")
@@ -139,7 +152,7 @@ class Stream:
             else:
                 self.endpoint.isend(data).wait(timeout)
 
-    def write_nowait(self, data):
+    def write_nowait(self, data: _Data) -> Request:
         """Start a write and return its fabric.Request at once; the buffers
         must stay untouched until it is done (pass immutable ones). Writes,
         waited or not, reach the peer in call order."""
@@ -172,14 +185,14 @@ class Stream:
                     return b""
             return bytes(self._take_pending(max_bytes))
 
-    async def aread_message(self, timeout: float | None = None):
+    async def aread_message(self, timeout: float | None = None) -> memoryview | None:
         with self._reading:
             if self._pending is None:
                 if self._eof or not self._accept_message(await self.endpoint.arecv(timeout=timeout)):
                     return None
-            return self._take_pending(len(self._pending))
+            return self._take_pending()
 
-    async def aread_into(self, buf, timeout: float | None = None) -> int:
+    async def aread_into(self, buf: Buffer, timeout: float | None = None) -> int:
         out = memoryview(buf).cast("B")
         if len(out) == 0:
             raise ValueError("read_into needs a non-empty buffer")
@@ -199,7 +212,7 @@ class Stream:
             out[:len(view)] = view
             return len(view)
 
-    async def awrite(self, data, timeout: float | None = None) -> None:
+    async def awrite(self, data: _Data, timeout: float | None = None) -> None:
         with self._writing:
             if self._write_shut:
                 raise errors.ConnectionClosed("write side of the stream is shut down")
@@ -216,26 +229,26 @@ class Stream:
     async def aclose(self) -> None:
         await self.endpoint.aclose(linger=0)
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    async def __aenter__(self):
+    async def __aenter__(self) -> Self:
         return self
 
-    async def __aexit__(self, *exc):
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"<fabric.Stream {self.endpoint!r}>"
 
 
 class StreamListener:
     """Accepts Streams (a Listener whose endpoints are wrapped)."""
 
-    def __init__(self, listener):
+    def __init__(self, listener: Listener) -> None:
         self.listener = listener
 
     @property
@@ -248,11 +261,11 @@ class StreamListener:
     async def aaccept(self, timeout: float | None = None) -> Stream:
         return Stream(await self.listener.aaccept(timeout=timeout))
 
-    def close(self):
+    def close(self) -> None:
         self.listener.close()
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
