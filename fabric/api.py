@@ -116,7 +116,7 @@ class Fabric:
         return f"<fabric.Fabric backend={self.backend.name}{state}>"
 
 
-_defaults: dict[str, Fabric] = {}
+_defaults: dict[str | None, Fabric] = {}
 _default_lock = threading.Lock()
 
 

@@ -90,7 +90,6 @@ header = np.arange(4, dtype=np.int64)                        # small: sent eager
 tensor = np.ones((64, 64), dtype=np.float32)
 numpy_array = np.empty(header.nbytes + tensor.nbytes, dtype=np.uint8)   # room for [header, tensor]
 big_array = np.arange(1 << 20, dtype=np.float64)           # 8 MiB: by rendezvous
-address = "127.0.0.1:1"                                     # only main() uses it
 buf = bytearray(1 << 16)
 '''
 
@@ -101,6 +100,7 @@ assert bytes(msg) == b"hello", msg
 assert n == header.nbytes + tensor.nbytes, n
 assert numpy_array.tobytes() == header.tobytes() + tensor.tobytes()
 assert req.done() and req.nbytes == big_array.nbytes
+assert big == big_array.tobytes()
 assert _asyncio.iscoroutinefunction(main)
 assert fab.closed
 print("README Use snippet: OK")
@@ -112,7 +112,7 @@ def test_readme_use_snippet_runs_as_written(tmp_path):
     snippet = readme_use_snippet()
     if importlib.util.find_spec("numpy") is None:
         pytest.skip("the preamble makes numpy arrays; numpy is not installed")
-    if 'Fabric("ucx")' in snippet:
+    if 'Fabric("ucx")' in snippet:     # (a backend that may be missing)
         ok, reason = backends.available()["ucx"]
         if not ok:
             pytest.skip(f"the snippet opens a ucx Fabric, and ucx is unavailable here: {reason}")

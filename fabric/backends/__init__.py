@@ -87,7 +87,7 @@ def choose(name: str | None):
         raise BackendUnavailable(f"unknown fabric backend {name!r}; choose one of "
                                  f"{', '.join(NAMES)}. Backends here:\n{_explain()}")
     if key == "auto":
-        passed = []
+        passed: list[str] = []
         for candidate in auto_order():
             backend, reason = probe(candidate)
             if backend is not None:
