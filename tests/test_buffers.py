@@ -7,6 +7,8 @@ import subprocess
 import sys
 
 import pytest
+
+import fabric
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -125,3 +127,51 @@ def test_cache_size_comes_from_the_environment():
     assert run_python(code).stdout.strip() == "1"
     bad = run_python(code, FABRIC_RECV_CACHE="lots")
     assert bad.returncode != 0 and "FABRIC_RECV_CACHE must be a number of bytes" in bad.stderr
+
+
+# ---- the engine's pool of received-message memory (recv() of large messages)
+
+def _pair(name="tcp"):
+    fab = fabric.Fabric(name)
+    lst = fab.listen()
+    ep = fab.connect(lst.address, timeout=10)
+    return fab, ep, lst.accept(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_recv_reuses_the_memory_of_large_messages_nobody_holds():
+    from fabric.protocol import engine
+    fab, ep, peer = _pair()
+    try:
+        before = engine.recv_pool_stats()["reused"]
+        kept = []
+        for i in range(6):
+            data = bytes([i]) * (4 << 20)
+            req = ep.isend(data)
+            msg = peer.recv(timeout=10)
+            req.wait(timeout=10)
+            assert msg == data
+            if i % 2 == 0:
+                kept.append((i, msg))       # held by the application: never handed out again
+            del msg
+        assert engine.recv_pool_stats()["reused"] > before
+        for i, msg in kept:                 # untouched by the messages that came later
+            assert bytes(msg) == bytes([i]) * (4 << 20)
+        stats = engine.recv_pool_stats()
+        assert stats["bytes"] <= stats["limit"]
+    finally:
+        fab.close()
+
+
+@pytest.mark.timeout(60)
+def test_recv_pool_respects_fabric_recv_cache_zero():
+    import subprocess, sys, os
+    code = ("import fabric\nfrom fabric.protocol import engine\n"
+            "f = fabric.Fabric('tcp'); l = f.listen(); e = f.connect(l.address); p = l.accept(timeout=10)\n"
+            "for i in range(4):\n"
+            "    r = e.isend(bytes(2 << 20)); m = p.recv(timeout=10); r.wait(10); del m\n"
+            "s = engine.recv_pool_stats(); print(s['reused'], s['bytes'])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
+                         env=dict(os.environ, FABRIC_RECV_CACHE="0"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "0"], out.stdout

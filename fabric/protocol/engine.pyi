@@ -23,6 +23,7 @@ FAULT_ACTIONS: dict[str, int]
 FAULT_STAGES: dict[str, int]
 
 def as_buffer(obj: Any) -> Any: ...
+def recv_pool_stats() -> dict[str, int]: ...
 
 class Worker:
     """Progress context of one Fabric: a lock, an epoll set, the knobs."""

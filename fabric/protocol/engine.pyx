@@ -122,6 +122,99 @@ cdef uint64_t HUB_KEY = 0xFFFFFFFFFFFFFFFEU
 cdef double BG_GRACE = 0.001    # application idle this long before the thread polls
 
 
+# ============================================ memory of received messages
+#
+# A large message that recv() hands out lands in memory the engine
+# allocates; fresh large blocks come from the kernel as pages it faults in
+# and zeroes on first touch (16 MiB: ~4000 faults), which halved what a
+# recv() loop moved. Freed blocks of RECV_POOL_MIN bytes or more are kept
+# (at most RECV_POOL_SLOTS, RECV_POOL_LIMIT bytes: FABRIC_RECV_CACHE, the
+# limit of fabric._buffers' cache too) and handed to the next message that
+# fits (a block at most 1.5x its size). They are ordinary malloc blocks, so
+# any path may still free() one. The pool never blocks: a thread that finds
+# it busy (or a forked child inheriting it held) just uses the allocator.
+
+cdef extern from "<malloc.h>" nogil:
+    size_t malloc_usable_size(void* ptr)
+
+cdef enum:
+    RECV_POOL_SLOTS = 16
+cdef size_t RECV_POOL_MIN = 256 << 10
+cdef size_t RECV_POOL_LIMIT = 128 << 20
+cdef char* recv_pool_ptr[RECV_POOL_SLOTS]
+cdef size_t recv_pool_cap[RECV_POOL_SLOTS]
+cdef int recv_pool_n = 0
+cdef size_t recv_pool_bytes = 0
+cdef uint64_t recv_pool_hits = 0
+
+cdef extern from *:
+    """
+    static int fab_recv_pool_busy = 0;
+    static inline int fab_recv_pool_enter(void) {
+        return __atomic_exchange_n(&fab_recv_pool_busy, 1, __ATOMIC_ACQUIRE) == 0;
+    }
+    static inline void fab_recv_pool_leave(void) {
+        __atomic_store_n(&fab_recv_pool_busy, 0, __ATOMIC_RELEASE);
+    }
+    """
+    bint recv_pool_enter "fab_recv_pool_enter"() noexcept nogil
+    void recv_pool_leave "fab_recv_pool_leave"() noexcept nogil
+
+cdef char* msg_alloc(size_t n) noexcept nogil:
+    """malloc(n), from the pool when a kept block fits."""
+    cdef int i, best = -1
+    cdef char* p
+    global recv_pool_n, recv_pool_bytes, recv_pool_hits
+    if n >= RECV_POOL_MIN and recv_pool_n > 0 and recv_pool_enter():
+        for i in range(recv_pool_n):
+            if recv_pool_cap[i] >= n and recv_pool_cap[i] - n <= n // 2 and (
+                    best < 0 or recv_pool_cap[i] < recv_pool_cap[best]):
+                best = i
+        if best >= 0:
+            p = recv_pool_ptr[best]
+            recv_pool_bytes -= recv_pool_cap[best]
+            recv_pool_n -= 1
+            recv_pool_ptr[best] = recv_pool_ptr[recv_pool_n]
+            recv_pool_cap[best] = recv_pool_cap[recv_pool_n]
+            recv_pool_hits += 1
+            recv_pool_leave()
+            return p
+        recv_pool_leave()
+    return <char*>malloc(n if n else 1)
+
+cdef void msg_free(char* p) noexcept nogil:
+    """free(p), or keep p for the next large message."""
+    cdef size_t cap
+    global recv_pool_n, recv_pool_bytes
+    if p == NULL:
+        return
+    cap = malloc_usable_size(p)
+    if cap >= RECV_POOL_MIN and recv_pool_bytes + cap <= RECV_POOL_LIMIT and recv_pool_enter():
+        if recv_pool_n < RECV_POOL_SLOTS and recv_pool_bytes + cap <= RECV_POOL_LIMIT:
+            recv_pool_ptr[recv_pool_n] = p
+            recv_pool_cap[recv_pool_n] = cap
+            recv_pool_n += 1
+            recv_pool_bytes += cap
+            recv_pool_leave()
+            return
+        recv_pool_leave()
+    free(p)
+
+
+def _recv_pool_limit_from_env():
+    from fabric._buffers import _cache_limit
+    return _cache_limit()
+
+
+RECV_POOL_LIMIT = _recv_pool_limit_from_env()
+
+
+def recv_pool_stats():
+    """The pool of received-message memory: blocks and bytes kept, blocks reused."""
+    return {"blocks": recv_pool_n, "bytes": recv_pool_bytes, "reused": recv_pool_hits,
+            "limit": RECV_POOL_LIMIT}
+
+
 # ===================================================================== utilities
 
 cdef inline void wlock(worker_t* w) noexcept nogil:
@@ -701,7 +794,7 @@ cdef void inmsg_maybe_free(inmsg_t* m) noexcept nogil:
         m.descs = d.next
         free(d)
     if m.own_data:
-        free(m.data)
+        msg_free(m.data)
     free(m)
 
 cdef void inq_append(ep_t* ep, inmsg_t* m) noexcept nogil:
@@ -820,7 +913,7 @@ cdef void on_read_done(ep_t* ep, desc_t* d, int status) noexcept nogil:
 cdef int bind_rndv(ep_t* ep, inmsg_t* m, char* dst) noexcept nogil:
     """Give a rendezvous message its destination and start pulling."""
     if dst == NULL:
-        dst = <char*>malloc(m.total)
+        dst = msg_alloc(m.total)
         if dst == NULL:
             return -ENOMEM
         m.own_data = 1
@@ -955,7 +1048,7 @@ cdef int on_eager(ep_t* ep, frame_t* f) noexcept nogil:
         return -1
     m.msg_id = f.msg_id
     m.total = f.body_length
-    m.data = <char*>malloc(f.body_length if f.body_length else 1)
+    m.data = msg_alloc(f.body_length)
     if m.data == NULL:
         free(m)
         ep_fail(ep, ENOMEM, "out of memory")
@@ -2719,7 +2812,7 @@ cdef class Message:
     cdef Py_ssize_t strides[1]
 
     def __dealloc__(self):
-        free(self.data)
+        msg_free(self.data)
 
     def __len__(self):
         return self.length
@@ -3068,7 +3161,7 @@ cdef int unpost(ep_t* ep) noexcept nogil:
         if m.reads > 0 and ep.state != EP_DEAD:
             return 1
         if ep.state != EP_DEAD:
-            nb = <char*>malloc(m.total)
+            nb = msg_alloc(m.total)
             if nb == NULL:
                 ep_fail(ep, ENOMEM, "out of memory moving a message")
             else:

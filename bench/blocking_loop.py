@@ -1,0 +1,160 @@
+"""The program a user writes first, against the tuned one, side by side.
+
+    python bench/blocking_loop.py [--backends tcp,ucx] [--sizes 64K,1M,16M,64M] [--rounds 3] [--json out.json]
+
+Sender (this process): `for a in arrays: ep.send(a)` (blocking) against a
+window of `isend`s (4 in flight). Receiver (its own process), one per
+contender: `recv_into(buf)` into one preallocated buffer, a fresh
+`numpy.empty` per message then `recv_into` (the page-fault case), or
+`recv()` taking a buffer the receiver returns to fabric when done
+(fabric's recycled buffers). The sender times from the first send to the
+receiver's 1-byte acknowledgement of the last message. Rounds interleave
+the contenders; medians; ratios against the windowed loop of the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+RECEIVERS = ("into", "numpy", "recv")
+BUDGET = 512 << 20          # bytes per measurement
+
+
+def parse_size(text):
+    text = text.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(float(text[:-1] if mult > 1 else text) * mult)
+
+
+def human(n):
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
+def receiver(backend, mode):
+    """Serve: for each (size, count) announced by an 8-byte header message,
+    receive count messages the chosen way, then acknowledge."""
+    import numpy as np
+    import fabric
+    fab = fabric.Fabric(backend)
+    lst = fab.listen()
+    print(lst.address, flush=True)
+    ep = lst.accept(timeout=60)
+    buf = None
+    while True:
+        head = ep.recv(timeout=600)
+        if len(head) == 0:
+            break
+        size, count = int.from_bytes(head[:8], "little"), int.from_bytes(head[8:16], "little")
+        if buf is None or len(buf) < size:
+            buf = np.empty(size, np.uint8)
+        for _ in range(count):
+            if mode == "into":
+                ep.recv_into(buf, timeout=600)
+            elif mode == "numpy":
+                fresh = np.empty(size, np.uint8)
+                ep.recv_into(fresh, timeout=600)
+            else:
+                msg = ep.recv(timeout=600)
+                np.frombuffer(msg, np.uint8)[:1].sum()     # touch it, as a user would
+                del msg                                   # its memory goes back to fabric
+        ep.send(b"k")
+    ep.close()
+    fab.close()
+
+
+def start_receiver(backend, mode):
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", backend, mode],
+                            stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=os.path.dirname(HERE)))
+    address = proc.stdout.readline().strip()
+    if not address:
+        raise RuntimeError(f"receiver {backend}/{mode} did not start")
+    return proc, address
+
+
+def one_run(ep, payload, count, window):
+    ep.send(len(payload).to_bytes(8, "little") + count.to_bytes(8, "little"))
+    t0 = time.perf_counter()
+    if window <= 1:
+        for _ in range(count):
+            ep.send(payload)
+    else:
+        pending = []
+        for _ in range(count):
+            pending.append(ep.isend(payload))
+            if len(pending) >= window:
+                pending.pop(0).wait(timeout=600)
+        for r in pending:
+            r.wait(timeout=600)
+    ep.recv(timeout=600)
+    return len(payload) * count / (time.perf_counter() - t0) / 1e6
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backends", default="tcp,ucx")
+    ap.add_argument("--sizes", default="64K,256K,1M,4M,16M,64M")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--receivers", default=",".join(RECEIVERS))
+    ap.add_argument("--json")
+    ap.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.serve:
+        receiver(*args.serve)
+        return 0
+    import numpy as np
+    import fabric
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    modes = args.receivers.split(",")
+    results = {}
+    for backend in args.backends.split(","):
+        fab = fabric.Fabric(backend)
+        peers = {}
+        for mode in modes:
+            proc, address = start_receiver(backend, mode)
+            peers[mode] = (proc, fab.connect(address, timeout=60))
+        try:
+            for size in sizes:
+                payload = np.random.default_rng(1).integers(0, 255, size, dtype=np.uint8)
+                count = max(4, min(2000, BUDGET // size))
+                samples = {}
+                for _ in range(args.rounds):
+                    for mode in modes:
+                        ep = peers[mode][1]
+                        one_run(ep, payload, min(count, 8), 1)            # warm-up
+                        for name, window in (("windowed", 4), ("blocking", 1)):
+                            samples.setdefault((mode, name), []).append(one_run(ep, payload, count, window))
+                row = {f"{mode}/{name}": statistics.median(v) for (mode, name), v in samples.items()}
+                results[f"{backend} {human(size)}"] = row
+                base = row["into/windowed"] if "into/windowed" in row else next(iter(row.values()))
+                cells = "  ".join(f"{k} {v:8.0f} ({v / base:.2f}x)" for k, v in row.items())
+                print(f"{backend:4} {human(size):>4}  {cells}", flush=True)
+        finally:
+            for mode, (proc, ep) in peers.items():
+                try:
+                    ep.send(b"")
+                    ep.close()
+                except fabric.FabricError:
+                    pass
+                proc.wait(timeout=30)
+            fab.close()
+    print("MB/s; ratios against into/windowed (a preallocated recv_into, 4 isends in flight)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"argv": sys.argv, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
