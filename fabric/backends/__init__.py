@@ -28,11 +28,57 @@ def auto_order():
     else fabric's own tcp. Without UCX_TLS, UCX drops its shared-memory
     transports (they cannot report a failed peer) and runs over its TCP lanes
     at ~1.2 GB/s, slower than the tcp backend's ~5.3 GB/s."""
-    order = ["verbs"]
+    return _auto_plan()[0]
+
+
+def _auto_plan():
+    """(auto_order(), {known backend that auto does not try: why})."""
+    order, skipped = ["verbs"], {}
     if os.environ.get("UCX_TLS"):
         order.append("ucx")
+    else:
+        skipped["ucx"] = ("auto uses ucx only when UCX_TLS is set (without it UCX runs over "
+                          "its TCP lanes, slower than the tcp backend)")
     order.append("tcp")
-    return tuple(order)
+    return tuple(order), skipped
+
+
+def short_reason(reason: str) -> str:
+    """The first clause of a reason, for one-line summaries."""
+    return reason.split(" (", 1)[0].split("; ", 1)[0].strip()
+
+
+def explain_auto() -> tuple:
+    """(the backend 'auto' picks or None, [(name, status, reason), ...]):
+    every known backend, in the order auto considers them, with status
+    "picked", "unusable" (its probe's reason), "unneeded" (an earlier one
+    was picked) or "skipped" (auto never tries it here, and the rule why)."""
+    order, skipped = _auto_plan()
+    steps, picked = [], None
+    for name in order:
+        if picked is not None:
+            steps.append((name, "unneeded", f"{picked} comes first"))
+            continue
+        backend, reason = probe(name)
+        if backend is not None:
+            picked = name
+            steps.append((name, "picked", reason))
+        else:
+            steps.append((name, "unusable", reason))
+    steps.extend((name, "skipped", why) for name, why in skipped.items())
+    return picked, steps
+
+
+def auto_summary() -> str:
+    """One line on auto's choice, e.g. 'auto picks tcp; verbs unusable: no
+    RDMA device...; ucx skipped: auto uses ucx only when UCX_TLS is set'."""
+    picked, steps = explain_auto()
+    parts = [f"{name} {status}: {short_reason(why)}" for name, status, why in steps
+             if status in ("unusable", "skipped")]
+    head = f"auto picks {picked}" if picked else "auto finds no usable backend"
+    return "; ".join([head] + parts)
+
+
 _cache: dict[str, tuple] = {}
 
 
