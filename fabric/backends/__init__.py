@@ -69,14 +69,19 @@ def explain_auto() -> tuple:
     return picked, steps
 
 
+def auto_reasons() -> list:
+    """Why auto passed over the backends it did not pick, one short clause
+    each: ['verbs unusable: no RDMA device...', 'ucx skipped: auto uses ucx
+    only when UCX_TLS is set']."""
+    return [f"{name} {status}: {short_reason(why)}" for name, status, why in explain_auto()[1]
+            if status in ("unusable", "skipped")]
+
+
 def auto_summary() -> str:
-    """One line on auto's choice, e.g. 'auto picks tcp; verbs unusable: no
-    RDMA device...; ucx skipped: auto uses ucx only when UCX_TLS is set'."""
-    picked, steps = explain_auto()
-    parts = [f"{name} {status}: {short_reason(why)}" for name, status, why in steps
-             if status in ("unusable", "skipped")]
+    """One line on auto's choice: 'auto picks tcp; ' + auto_reasons()."""
+    picked = explain_auto()[0]
     head = f"auto picks {picked}" if picked else "auto finds no usable backend"
-    return "; ".join([head] + parts)
+    return "; ".join([head] + auto_reasons())
 
 
 _cache: dict[str, tuple] = {}
