@@ -61,21 +61,21 @@ KNOBS = {
 # One line per knob (the table above says more), for --help texts and
 # `python -m fabric info`.
 HELP = {
-    "eager_limit": "largest message sent eagerly; larger ones go by rendezvous (size)",
-    "chunk_size": "rendezvous messages are registered and pulled in chunks of this size (size)",
+    "eager_limit": "largest message sent eagerly; larger ones go by rendezvous",
+    "chunk_size": "rendezvous messages are registered and pulled in chunks of this size",
     "chunks_in_flight": "rendezvous chunks announced and read ahead per message",
-    "coalesce_limit": "largest fabric message: small queued messages are packed up to this size (size)",
+    "coalesce_limit": "largest fabric message: small queued messages are packed up to this size",
     "coalesce": "1: pack small messages queued while the fabric is busy into one send; 0: one send per message",
     "credits": "receive buffers each endpoint offers its peer (flow control)",
-    "recv_budget": "bytes of unreceived messages buffered before credits stop being returned (size)",
+    "recv_budget": "bytes of unreceived messages buffered before credits stop being returned",
     "send_buffers": "coalescing buffers per endpoint",
-    "max_message": "largest message accepted from a peer (size)",
+    "max_message": "largest message accepted from a peer",
     "spin_us": "microseconds of busy polling before a wait blocks",
     "spin_max_us": "adaptive polling: longest spin for endpoints whose waits end quickly; 0: always spin_us",
     "handshake_timeout": "seconds a new connection has to complete its handshake",
     "close_linger": "seconds close() waits for queued sends to leave",
     "progress_thread": "1: a background thread progresses while the application is away; 0: only in calls",
-    "native_min": "messages of at least this size use the fabric's own rendezvous (ucx); 0: always the engine's (size)",
+    "native_min": "messages of at least this size use the fabric's own rendezvous (ucx); 0: always the engine's",
     "tcp_user_timeout_ms": "tcp: unacknowledged data fails the connection after this many ms",
     "tcp_keepalive_s": "tcp: keepalive idle/interval seconds",
 }

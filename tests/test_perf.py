@@ -69,6 +69,14 @@ def test_small_sweep_writes_json_and_plot(tmp_path, capsys):
     assert rc == 0
     printed = capsys.readouterr().out
     assert "tcp/auto lat" in printed and "tcp/rendezvous bw" in printed
+    assert printed.splitlines()[0] == "backend: tcp (-b tcp)"
+    # sizes in human units under a header with units; lat says what it measures
+    lat = printed.split("tcp/auto lat: ", 1)[1].splitlines()
+    assert lat[0].startswith("round-trip time in us")
+    assert lat[1].split()[:3] == ["size", "(B)", "proto"] and "p50 (us)" in lat[1]
+    assert [row.split()[0] for row in lat[2:4]] == ["8", "64K"]
+    rpc = printed.split("tcp/auto rpc: ", 1)[1].splitlines()
+    assert rpc[2].split()[:2] == ["64", "64K"]
     doc = json.loads(out.read_text())
     assert doc["tool"] == "fabric-perf" and doc["schema"] == cli.SCHEMA
     assert {"host", "cpus", "python", "platform"} <= set(doc["machine"])
@@ -176,3 +184,89 @@ def test_server_and_connect_modes(tmp_path):
     finally:
         server.kill()
         server.wait()
+
+
+def test_list_backends(capsys):
+    import fabric
+    from fabric import backends
+    assert cli.main(["--list-backends"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == f"backends (auto picks {backends.get('auto').name})"
+    rows = {ln.split()[0]: ln.split() for ln in out.splitlines()[1:] if ln.split()[0] in backends.KNOWN}
+    assert set(rows) == set(backends.KNOWN)
+    for name, (ok, reason) in fabric.available_backends().items():
+        assert rows[name][1] == ("yes" if ok else "no")
+        assert short(reason) in " ".join(rows[name][3:])
+
+
+def short(reason):
+    return " ".join(reason.split()[:4])
+
+
+def test_version(capsys):
+    import fabric
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"fabric-perf {fabric.__version__}\n"
+
+
+def test_every_knob_flag_has_help():
+    from fabric.options import HELP, env_name
+    actions = {a.dest: a for a in cli.build_parser()._actions}
+    for k in cli.KNOB_FLAGS:
+        assert actions[k].help and HELP[k] in actions[k].help and env_name(k) in actions[k].help, k
+    for a in actions.values():
+        assert a.help, a.dest
+
+
+def test_backend_line_says_why(monkeypatch):
+    from fabric import backends
+    monkeypatch.delenv("FABRIC_BACKEND", raising=False)
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    reason = cli.backend_reason(None)
+    assert reason.startswith("auto: ")
+    assert "ucx skipped: auto uses ucx only when UCX_TLS is set" in reason
+    if not backends.available()["verbs"][0]:
+        assert "verbs unusable: " + backends.short_reason(backends.available()["verbs"][1]) in reason
+    assert cli.backend_reason("auto") == reason
+    assert cli.backend_reason("tcp") == "-b tcp"
+    monkeypatch.setenv("FABRIC_BACKEND", "tcp")
+    assert cli.backend_reason(None) == "FABRIC_BACKEND=tcp"
+
+
+@pytest.mark.timeout(120)
+def test_auto_run_names_its_backend_and_why_first(monkeypatch, capsys):
+    from fabric import backends
+    monkeypatch.delenv("FABRIC_BACKEND", raising=False)
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    assert cli.main(["-t", "lat", "-s", "8", "--scale", "0.01"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"backend: {backends.get('auto').name} (auto: ") and "UCX_TLS" in first
+
+
+def test_plot_without_matplotlib_fails_before_measuring(tmp_path, monkeypatch):
+    png = tmp_path / "r.png"
+    monkeypatch.setitem(sys.modules, "matplotlib", None)          # import matplotlib now raises ImportError
+
+    def measured(*a, **kw):
+        raise AssertionError("measured although the plot cannot be written")
+    monkeypatch.setattr(cli, "measure_runs", measured)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["-b", "tcp", "-t", "lat", "-s", "8", "--plot", str(png)])
+    assert "needs matplotlib" in str(exc.value.code) and "pip install matplotlib" in str(exc.value.code)
+    assert not png.exists()
+
+
+@pytest.mark.timeout(120)
+def test_plot_without_matplotlib_in_a_fresh_process(tmp_path):
+    """The same from the command line: exit 1, the reason on stderr, nothing
+    measured (no backend line, no table on stdout)."""
+    import subprocess
+    code = ("import sys; sys.modules['matplotlib'] = None\n"
+            "from fabric.perf.cli import main\n"
+            f"sys.exit(main(['-b', 'tcp', '-t', 'lat,bw', '-s', '8,1M', '--plot', {str(tmp_path / 'r.png')!r}]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert "fabric-perf --plot needs matplotlib" in r.stderr
+    assert r.stdout == ""
