@@ -270,3 +270,94 @@ def test_plot_without_matplotlib_in_a_fresh_process(tmp_path):
     assert r.returncode == 1
     assert "fabric-perf --plot needs matplotlib" in r.stderr
     assert r.stdout == ""
+
+
+def _fake_checkout(tmp_path):
+    """A checkout with the real tools/perf.sh, a stub tools/setup.sh that
+    logs its calls (and, like the real one, writes the stamp at its end and
+    prints on stdout), a real venv whose fabric is this checkout's stub
+    package, and a stub fabric-perf."""
+    import subprocess
+    root = tmp_path / "repo"
+    (root / "tools").mkdir(parents=True)
+    (root / "tools" / "perf.sh").write_text(open(os.path.join(REPO, "tools", "perf.sh")).read())
+    (root / "tools" / "setup.sh").write_text(
+        'cd "$(dirname "$0")/.."\necho "setup $*" >> setup.log\necho "set-up chatter on stdout"\n'
+        'touch .venv/.fabric-setup-stamp\n')
+    (root / "fabric").mkdir()
+    (root / "fabric" / "__init__.py").write_text("")
+    (root / "fabric" / "engine.pyx").write_text("# a build input\n")
+    (root / "setup.py").write_text("")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / ".venv")], check=True, timeout=60)
+    site = subprocess.run([str(root / ".venv" / "bin" / "python"), "-c",
+                           "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    with open(os.path.join(site, "fabric_checkout.pth"), "w") as f:
+        f.write(str(root) + "\n")                              # as an editable install does
+    perf = root / ".venv" / "bin" / "fabric-perf"
+    perf.write_text('#!/bin/sh\necho "fabric-perf $*"\n')
+    perf.chmod(0o755)
+    return root
+
+
+def _perf_sh(root, *args):
+    import subprocess
+    r = subprocess.run(["bash", str(root / "tools" / "perf.sh"), *args], capture_output=True, text=True,
+                       timeout=60, cwd="/")
+    assert r.returncode == 0, r.stderr
+    calls = (root / "setup.log").read_text().splitlines() if (root / "setup.log").exists() else []
+    return r.stdout, calls
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.timeout(120)
+def test_perf_sh_runs_set_up_only_when_the_build_is_stale(tmp_path):
+    root = _fake_checkout(tmp_path)
+    # no stamp yet: set-up runs, in the perf mode, its stdout kept out of ours
+    out, calls = _perf_sh(root, "-t", "lat")
+    assert calls == ["setup perf"] and out == "fabric-perf -t lat\n"
+    # current: no set-up
+    out, calls = _perf_sh(root, "--version")
+    assert calls == ["setup perf"] and out == "fabric-perf --version\n"
+    # a build input newer than the stamp: one set-up, then current again
+    stamp = root / ".venv" / ".fabric-setup-stamp"
+
+    def edit(name):
+        """Files older than the stamp, the stamp older than `name` (edited now)."""
+        import time
+        now = time.time()
+        for p in (root / "fabric" / "engine.pyx", root / "fabric" / "__init__.py", root / "setup.py"):
+            os.utime(p, (now - 200, now - 200))
+        os.utime(stamp, (now - 100, now - 100))
+        os.utime(root / name, (now, now))
+    runs = 1
+    for name in ("fabric/engine.pyx", "setup.py"):
+        edit(name)
+        runs += 1
+        assert len(_perf_sh(root)[1]) == runs, name
+        assert len(_perf_sh(root)[1]) == runs, name
+    # fabric no longer imports in the venv
+    (root / "fabric" / "__init__.py").write_text("raise ImportError('broken build')\n")
+    assert len(_perf_sh(root)[1]) == runs + 1
+    (root / "fabric" / "__init__.py").write_text("")
+    # an edited .py is not a build input (the install is editable)
+    edit("fabric/__init__.py")
+    assert len(_perf_sh(root)[1]) == runs + 1
+    runs += 1
+    # no stamp (a set-up that did not finish)
+    stamp.unlink()
+    assert len(_perf_sh(root)[1]) == runs + 1
+
+
+def test_perf_and_test_set_up_modes():
+    """perf.sh asks for the perf set-up, which leaves out the Soft-RoCE guest's
+    packages; test.sh keeps the full one."""
+    perf = open(os.path.join(REPO, "tools", "perf.sh")).read()
+    test = open(os.path.join(REPO, "tools", "test.sh")).read()
+    setup = open(os.path.join(REPO, "tools", "setup.sh")).read()
+    assert "bash tools/setup.sh perf" in perf and "bash tools/setup.sh test" in test
+    guest = setup.split('if [ "$LEAN" = 0 ] && [ "${FABRIC_SOFTROCE:-1}" != 0 ]; then', 1)[1].split("fi", 1)[0]
+    assert "qemu-system-x86" in guest and "linux-image-amd64" in guest
+    assert setup.rstrip().splitlines()[-1].startswith("echo") and ".fabric-setup-stamp" in setup.splitlines()[-1]
