@@ -253,3 +253,28 @@ def test_text_report_marks_the_chosen_gid(sysfs, tmp_path):
                                      (69632, "68K"), (16 << 20, "16M"), (3 << 30, "3G"), (1 << 40, "1T")])
 def test_human_size(n, text):
     assert info.human_size(n) == text
+
+
+def _fake_ucx_info(tmp_path, body):
+    path = tmp_path / "bin" / "ucx_info"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_ucx_info_absent_failing_or_chatty(tmp_path, monkeypatch, capfd):
+    monkeypatch.setattr(info, "_ucx_info_candidates", lambda libdir: [])
+    got = info.run_ucx_info(None)
+    assert got["path"] is None and got["transports"] == [] and "ucx_info not found" in got["error"]
+    failing = _fake_ucx_info(tmp_path / "a", "echo 'cannot open libuct' >&2; exit 3\n")
+    monkeypatch.setattr(info, "_ucx_info_candidates", lambda libdir: [(failing, None)])
+    got = info.run_ucx_info(None)
+    assert got["transports"] == [] and "exit 3" in got["error"] and "cannot open libuct" in got["error"]
+    chatty = _fake_ucx_info(tmp_path / "b", "echo '#      Transport: tcp'; echo '#         Device: lo'\n"
+                                            "echo '[1] UCX  WARN  something' >&2\n")
+    monkeypatch.setattr(info, "_ucx_info_candidates", lambda libdir: [(chatty, str(tmp_path / "lib"))])
+    got = info.run_ucx_info(None)
+    assert got["error"] is None and got["transports"] == [{"transport": "tcp", "device": "lo"}]
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""          # its stdout and stderr were captured, not passed through

@@ -15,8 +15,9 @@ p50/p99/max in microseconds), bw (one-way stream, a window of messages in
 flight, timed until the peer confirms it has them all; MB/s = 10^6 bytes/s),
 rate (small messages per second from blocking sends, with and without
 coalescing), rpc (request/response of different sizes). Sizes are bytes;
-K, M, G are 2^10, 2^20, 2^30. Iterations scale with size; warm-up is excluded. --protocol forces eager
-(eager_limit raised to 1 MiB; larger messages still go by rendezvous) or
+K, M, G are 2^10, 2^20, 2^30. Iterations scale with size; warm-up is
+excluded. The first line names the backend and why it was chosen. --protocol
+forces eager (eager_limit raised to 1 MiB; larger messages still go by rendezvous) or
 rendezvous (eager_limit 0); the protocol each size actually took is recorded.
 Knob flags (--eager-limit, --chunk-size, ...) apply to both sides; with
 --connect they apply to this side only (the server keeps its own).
