@@ -98,7 +98,9 @@ def test_text_report_is_aligned_and_names_everything(tmp_path):
     assert lines[0].startswith(f"fabric {fabric.__version__}")
     for section in ("backends (auto picks", "ucx", "rdma", "knobs for "):
         assert any(ln.startswith(section) for ln in lines), section
-    rows = {ln.split()[0]: ln for ln in lines if ln.startswith("  ") and ln.split()[0] in backends.KNOWN}
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("backends (auto picks"))
+    table = lines[start + 1:lines.index("", start)]
+    rows = {ln.split()[0]: ln for ln in table if ln.split()[0] in backends.KNOWN}
     assert set(rows) == set(backends.KNOWN)
     for name, (ok, _) in backends.available().items():
         assert rows[name].split()[1] == ("yes" if ok else "no")
