@@ -59,6 +59,28 @@ KNOBS = {
     "tcp_keepalive_s": ("int", 0, 1 << 15),
 }
 
+# One line per knob (the table above says more), for --help texts and
+# `python -m fabric info`.
+HELP = {
+    "eager_limit": "largest message sent eagerly; larger ones go by rendezvous",
+    "chunk_size": "rendezvous messages are registered and pulled in chunks of this size",
+    "chunks_in_flight": "rendezvous chunks announced and read ahead per message",
+    "coalesce_limit": "largest fabric message: small queued messages are packed up to this size",
+    "coalesce": "1: pack small messages queued while the fabric is busy into one send; 0: one send per message",
+    "credits": "receive buffers each endpoint offers its peer (flow control)",
+    "recv_budget": "bytes of unreceived messages buffered before credits stop being returned",
+    "send_buffers": "coalescing buffers per endpoint",
+    "max_message": "largest message accepted from a peer",
+    "spin_us": "microseconds of busy polling before a wait blocks",
+    "spin_max_us": "adaptive polling: longest spin for endpoints whose waits end quickly; 0: always spin_us",
+    "handshake_timeout": "seconds a new connection has to complete its handshake",
+    "close_linger": "seconds close() waits for queued sends to leave",
+    "progress_thread": "1: a background thread progresses while the application is away; 0: only in calls",
+    "native_min": "messages of at least this size use the fabric's own rendezvous (ucx); 0: always the engine's",
+    "tcp_user_timeout_ms": "tcp: unacknowledged data fails the connection after this many ms",
+    "tcp_keepalive_s": "tcp: keepalive idle/interval seconds",
+}
+
 COMMON_DEFAULTS = {
     "eager_limit": 65536,
     "chunk_size": 4 << 20,
@@ -167,14 +189,33 @@ def write_profile(backend: str, options: dict, path: str | None = None, extra: d
     return path
 
 
-def resolve(backend_name: str, backend_defaults: dict, overrides: dict) -> dict:
-    """Defaults < backend defaults < profile < environment < keyword arguments."""
-    opts: dict[str, Any] = dict(COMMON_DEFAULTS)
-    opts.update(backend_defaults)
-    opts.update(read_profile(backend_name))
+# Where a resolved knob's value came from, lowest precedence first.
+SOURCES = ("default", "backend", "profile", "env", "argument")
+
+
+def _layered(backend_defaults: dict, profile: dict, overrides: dict) -> dict:
+    """{name: (raw value, source)} in resolve()'s order of precedence."""
+    opts: dict[str, Any] = {k: (v, "default") for k, v in COMMON_DEFAULTS.items()}
+    opts.update((k, (v, "backend")) for k, v in backend_defaults.items())
+    opts.update((k, (v, "profile")) for k, v in profile.items())
     for name in KNOBS:
         raw = os.environ.get(env_name(name))
         if raw not in (None, ""):
-            opts[name] = raw
-    opts.update(overrides)
-    return {k: parse_value(k, v) for k, v in opts.items()}
+            opts[name] = (raw, "env")
+    opts.update((k, (v, "argument")) for k, v in overrides.items())
+    return opts
+
+
+def resolve(backend_name: str, backend_defaults: dict, overrides: dict) -> dict:
+    """Defaults < backend defaults < profile < environment < keyword arguments."""
+    opts = _layered(backend_defaults, read_profile(backend_name), overrides)
+    return {k: parse_value(k, v) for k, (v, _) in opts.items()}
+
+
+def resolve_sources(backend_name: str, backend_defaults: dict, overrides: dict) -> dict:
+    """{name: (value, source)}: what resolve() returns, and for each knob the
+    layer its value came from, one of SOURCES ("backend" is the backend's own
+    default, "env" the FABRIC_<NAME> variable, "argument" a keyword argument
+    of Fabric). Raises like resolve() on an invalid value."""
+    opts = _layered(backend_defaults, read_profile(backend_name), overrides)
+    return {k: (parse_value(k, v), source) for k, (v, source) in opts.items()}

@@ -152,3 +152,22 @@ def test_ucx_explicit_tcp_on_one_side_keeps_both_on_peer_error_handling():
     assert not client & {"sysv", "posix"}, client
 
 
+@pytest.mark.parametrize("ucx_tls", [None, "tcp"])
+def test_explain_auto_agrees_with_get(monkeypatch, ucx_tls):
+    from fabric import backends
+    if ucx_tls:
+        monkeypatch.setenv("UCX_TLS", ucx_tls)
+    else:
+        monkeypatch.delenv("UCX_TLS", raising=False)
+    picked, steps = backends.explain_auto()
+    assert picked == backends.get("auto").name
+    assert sorted(name for name, _, _ in steps) == sorted(backends.KNOWN)
+    assert [name for name, _, _ in steps][:len(backends.auto_order())] == list(backends.auto_order())
+    statuses = dict((name, status) for name, status, _ in steps)
+    assert statuses[picked] == "picked"
+    assert statuses["ucx"] != "skipped"          # auto tries ucx with or without UCX_TLS
+    for name, status, why in steps:
+        if status == "unusable":
+            assert why == backends.available()[name][1]
+            assert f"{name} unusable: {backends.short_reason(why)}" in backends.auto_reasons()
+    assert backends.auto_summary().startswith(f"auto picks {picked}")

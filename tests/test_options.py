@@ -61,3 +61,30 @@ def test_write_profile_keeps_other_backends(tmp_path):
     options.write_profile("ucx", {"eager_limit": 200}, path=path)
     assert options.read_profile("tcp", path) == {"eager_limit": 100}
     assert options.read_profile("ucx", path) == {"eager_limit": 200}
+
+
+def test_sources_name_the_layer_each_value_came_from(tmp_path, monkeypatch):
+    profile = tmp_path / "tuning.json"
+    options.write_profile("tcp", {"eager_limit": 12345, "chunk_size": "1M"}, path=str(profile))
+    monkeypatch.setenv("FABRIC_PROFILE", str(profile))
+    monkeypatch.setenv("FABRIC_CHUNK_SIZE", "2M")
+    backend_defaults, overrides = {"eager_limit": 1, "credits": 16, "send_buffers": 3}, {"credits": 64}
+    got = options.resolve_sources("tcp", backend_defaults, overrides)
+    assert got["eager_limit"] == (12345, "profile")
+    assert got["chunk_size"] == (2 << 20, "env")
+    assert got["credits"] == (64, "argument")
+    assert got["send_buffers"] == (3, "backend")
+    assert got["spin_us"] == (options.COMMON_DEFAULTS["spin_us"], "default")
+    assert set(got) == set(options.KNOBS)
+    assert {source for _, source in got.values()} <= set(options.SOURCES)
+    # the same values, in the same order, as resolve()
+    assert {k: v for k, (v, _) in got.items()} == options.resolve("tcp", backend_defaults, overrides)
+    assert list(got) == list(options.resolve("tcp", backend_defaults, overrides))
+    monkeypatch.setenv("FABRIC_CREDITS", "many")
+    with pytest.raises(ValueError, match="credits"):
+        options.resolve_sources("tcp", {}, {})
+
+
+def test_every_knob_has_a_one_line_help():
+    assert set(options.HELP) == set(options.KNOBS)
+    assert all(text and "\n" not in text for text in options.HELP.values())

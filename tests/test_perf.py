@@ -69,6 +69,14 @@ def test_small_sweep_writes_json_and_plot(tmp_path, capsys):
     assert rc == 0
     printed = capsys.readouterr().out
     assert "tcp/auto lat" in printed and "tcp/rendezvous bw" in printed
+    assert printed.splitlines()[0] == "backend: tcp (-b tcp)"
+    # sizes in human units under a header with units; lat says what it measures
+    lat = printed.split("tcp/auto lat: ", 1)[1].splitlines()
+    assert lat[0].startswith("round-trip time in us")
+    assert lat[1].split()[:3] == ["size", "(B)", "proto"] and "p50 (us)" in lat[1]
+    assert [row.split()[0] for row in lat[2:4]] == ["8", "64K"]
+    rpc = printed.split("tcp/auto rpc: ", 1)[1].splitlines()
+    assert rpc[2].split()[:2] == ["64", "64K"]
     doc = json.loads(out.read_text())
     assert doc["tool"] == "fabric-perf" and doc["schema"] == cli.SCHEMA
     assert {"host", "cpus", "python", "platform"} <= set(doc["machine"])
@@ -176,3 +184,180 @@ def test_server_and_connect_modes(tmp_path):
     finally:
         server.kill()
         server.wait()
+
+
+def test_list_backends(capsys):
+    import fabric
+    from fabric import backends
+    assert cli.main(["--list-backends"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == f"backends (auto picks {backends.get('auto').name})"
+    rows = {ln.split()[0]: ln.split() for ln in out.splitlines()[1:] if ln.split()[0] in backends.KNOWN}
+    assert set(rows) == set(backends.KNOWN)
+    for name, (ok, reason) in fabric.available_backends().items():
+        assert rows[name][1] == ("yes" if ok else "no")
+        assert short(reason) in " ".join(rows[name][3:])
+
+
+def short(reason):
+    return " ".join(reason.split()[:4])
+
+
+def test_version(capsys):
+    import fabric
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"fabric-perf {fabric.__version__}\n"
+
+
+def test_every_knob_flag_has_help():
+    from fabric.options import HELP, env_name
+    actions = {a.dest: a for a in cli.build_parser()._actions}
+    for k in cli.KNOB_FLAGS:
+        assert actions[k].help and HELP[k] in actions[k].help and env_name(k) in actions[k].help, k
+    for a in actions.values():
+        assert a.help, a.dest
+
+
+def test_backend_line_says_why(monkeypatch):
+    from fabric import backends
+    monkeypatch.delenv("FABRIC_BACKEND", raising=False)
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    reason = cli.backend_reason(None)
+    assert reason.startswith("auto: ")
+    assert "ucx skipped: auto uses ucx only when UCX_TLS is set" in reason
+    if not backends.available()["verbs"][0]:
+        assert "verbs unusable: " + backends.short_reason(backends.available()["verbs"][1]) in reason
+    assert cli.backend_reason("auto") == reason
+    assert cli.backend_reason("tcp") == "-b tcp"
+    monkeypatch.setenv("FABRIC_BACKEND", "tcp")
+    assert cli.backend_reason(None) == "FABRIC_BACKEND=tcp"
+
+
+@pytest.mark.timeout(120)
+def test_auto_run_names_its_backend_and_why_first(monkeypatch, capsys):
+    from fabric import backends
+    monkeypatch.delenv("FABRIC_BACKEND", raising=False)
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    assert cli.main(["-t", "lat", "-s", "8", "--scale", "0.01"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"backend: {backends.get('auto').name} (auto: ") and "UCX_TLS" in first
+
+
+def test_plot_without_matplotlib_fails_before_measuring(tmp_path, monkeypatch):
+    png = tmp_path / "r.png"
+    monkeypatch.setitem(sys.modules, "matplotlib", None)          # import matplotlib now raises ImportError
+
+    def measured(*a, **kw):
+        raise AssertionError("measured although the plot cannot be written")
+    monkeypatch.setattr(cli, "measure_runs", measured)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["-b", "tcp", "-t", "lat", "-s", "8", "--plot", str(png)])
+    assert "needs matplotlib" in str(exc.value.code) and "pip install matplotlib" in str(exc.value.code)
+    assert not png.exists()
+
+
+@pytest.mark.timeout(120)
+def test_plot_without_matplotlib_in_a_fresh_process(tmp_path):
+    """The same from the command line: exit 1, the reason on stderr, nothing
+    measured (no backend line, no table on stdout)."""
+    import subprocess
+    code = ("import sys; sys.modules['matplotlib'] = None\n"
+            "from fabric.perf.cli import main\n"
+            f"sys.exit(main(['-b', 'tcp', '-t', 'lat,bw', '-s', '8,1M', '--plot', {str(tmp_path / 'r.png')!r}]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert "fabric-perf --plot needs matplotlib" in r.stderr
+    assert r.stdout == ""
+
+
+def _fake_checkout(tmp_path):
+    """A checkout with the real tools/perf.sh, a stub tools/setup.sh that
+    logs its calls (and, like the real one, writes the stamp at its end and
+    prints on stdout), a real venv whose fabric is this checkout's stub
+    package, and a stub fabric-perf."""
+    import subprocess
+    root = tmp_path / "repo"
+    (root / "tools").mkdir(parents=True)
+    (root / "tools" / "perf.sh").write_text(open(os.path.join(REPO, "tools", "perf.sh")).read())
+    (root / "tools" / "setup.sh").write_text(
+        'cd "$(dirname "$0")/.."\necho "setup $*" >> setup.log\necho "set-up chatter on stdout"\n'
+        'touch .venv/.fabric-setup-stamp\n')
+    (root / "fabric").mkdir()
+    (root / "fabric" / "__init__.py").write_text("")
+    (root / "fabric" / "engine.pyx").write_text("# a build input\n")
+    (root / "setup.py").write_text("")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / ".venv")], check=True, timeout=60)
+    site = subprocess.run([str(root / ".venv" / "bin" / "python"), "-c",
+                           "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    with open(os.path.join(site, "fabric_checkout.pth"), "w") as f:
+        f.write(str(root) + "\n")                              # as an editable install does
+    perf = root / ".venv" / "bin" / "fabric-perf"
+    perf.write_text('#!/bin/sh\necho "fabric-perf $*"\n')
+    perf.chmod(0o755)
+    return root
+
+
+def _perf_sh(root, *args):
+    import subprocess
+    r = subprocess.run(["bash", str(root / "tools" / "perf.sh"), *args], capture_output=True, text=True,
+                       timeout=60, cwd="/")
+    assert r.returncode == 0, r.stderr
+    calls = (root / "setup.log").read_text().splitlines() if (root / "setup.log").exists() else []
+    return r.stdout, calls
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.timeout(120)
+def test_perf_sh_runs_set_up_only_when_the_build_is_stale(tmp_path):
+    root = _fake_checkout(tmp_path)
+    # no stamp yet: set-up runs, in the perf mode, its stdout kept out of ours
+    out, calls = _perf_sh(root, "-t", "lat")
+    assert calls == ["setup perf"] and out == "fabric-perf -t lat\n"
+    # current: no set-up
+    out, calls = _perf_sh(root, "--version")
+    assert calls == ["setup perf"] and out == "fabric-perf --version\n"
+    # a build input newer than the stamp: one set-up, then current again
+    stamp = root / ".venv" / ".fabric-setup-stamp"
+
+    def edit(name):
+        """Files older than the stamp, the stamp older than `name` (edited now)."""
+        import time
+        now = time.time()
+        for p in (root / "fabric" / "engine.pyx", root / "fabric" / "__init__.py", root / "setup.py"):
+            os.utime(p, (now - 200, now - 200))
+        os.utime(stamp, (now - 100, now - 100))
+        os.utime(root / name, (now, now))
+    runs = 1
+    for name in ("fabric/engine.pyx", "setup.py"):
+        edit(name)
+        runs += 1
+        assert len(_perf_sh(root)[1]) == runs, name
+        assert len(_perf_sh(root)[1]) == runs, name
+    # fabric no longer imports in the venv
+    (root / "fabric" / "__init__.py").write_text("raise ImportError('broken build')\n")
+    assert len(_perf_sh(root)[1]) == runs + 1
+    (root / "fabric" / "__init__.py").write_text("")
+    # an edited .py is not a build input (the install is editable)
+    edit("fabric/__init__.py")
+    assert len(_perf_sh(root)[1]) == runs + 1
+    runs += 1
+    # no stamp (a set-up that did not finish)
+    stamp.unlink()
+    assert len(_perf_sh(root)[1]) == runs + 1
+
+
+def test_perf_and_test_set_up_modes():
+    """perf.sh asks for the perf set-up, which leaves out the Soft-RoCE guest's
+    packages; test.sh keeps the full one."""
+    perf = open(os.path.join(REPO, "tools", "perf.sh")).read()
+    test = open(os.path.join(REPO, "tools", "test.sh")).read()
+    setup = open(os.path.join(REPO, "tools", "setup.sh")).read()
+    assert "bash tools/setup.sh perf" in perf and "bash tools/setup.sh test" in test
+    guest = setup.split('if [ "$LEAN" = 0 ] && [ "${FABRIC_SOFTROCE:-1}" != 0 ]; then', 1)[1].split("fi", 1)[0]
+    assert "qemu-system-x86" in guest and "linux-image-amd64" in guest
+    assert setup.rstrip().splitlines()[-1].startswith("echo") and ".fabric-setup-stamp" in setup.splitlines()[-1]

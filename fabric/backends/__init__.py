@@ -30,7 +30,53 @@ def auto_order():
     (RDMA, else its TCP lanes: about 0.8x the tcp backend's bandwidth between
     two network namespaces); else fabric's own tcp. FABRIC_BACKEND=tcp is the
     better choice for hosts that talk only to other hosts over Ethernet."""
-    return ("verbs", "ucx", "tcp")
+    return _auto_plan()[0]
+
+
+def _auto_plan():
+    """(auto_order(), {known backend that auto does not try: why})."""
+    return ("verbs", "ucx", "tcp"), {}
+
+
+def short_reason(reason: str) -> str:
+    """The first clause of a reason, for one-line summaries."""
+    return reason.split(" (", 1)[0].split("; ", 1)[0].strip()
+
+
+def explain_auto() -> tuple:
+    """(the backend 'auto' picks or None, [(name, status, reason), ...]):
+    every known backend, in the order auto considers them, with status
+    "picked", "unusable" (its probe's reason), "unneeded" (an earlier one
+    was picked) or "skipped" (auto never tries it here, and the rule why)."""
+    order, skipped = _auto_plan()
+    steps, picked = [], None
+    for name in order:
+        if picked is not None:
+            steps.append((name, "unneeded", f"{picked} comes first"))
+            continue
+        backend, reason = probe(name)
+        if backend is not None:
+            picked = name
+            steps.append((name, "picked", reason))
+        else:
+            steps.append((name, "unusable", reason))
+    steps.extend((name, "skipped", why) for name, why in skipped.items())
+    return picked, steps
+
+
+def auto_reasons() -> list:
+    """Why auto passed over the backends it did not pick, one short clause
+    each: ['verbs unusable: no RDMA device...', 'ucx skipped: auto uses ucx
+    only when UCX_TLS is set']."""
+    return [f"{name} {status}: {short_reason(why)}" for name, status, why in explain_auto()[1]
+            if status in ("unusable", "skipped")]
+
+
+def auto_summary() -> str:
+    """One line on auto's choice: 'auto picks tcp; ' + auto_reasons()."""
+    picked = explain_auto()[0]
+    head = f"auto picks {picked}" if picked else "auto finds no usable backend"
+    return "; ".join([head] + auto_reasons())
 
 
 _cache: dict[str, tuple] = {}

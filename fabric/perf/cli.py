@@ -7,12 +7,17 @@
     fabric-perf --server 0.0.0.0:7000          # serve; on another host: fabric-perf --connect HOST:7000
     fabric-perf --tune                         # measure this host, write the tuning profile
     fabric-perf --from a.json b.json --plot ab.png   # plot earlier results together
+    fabric-perf --list-backends                # which backends work here, and which auto picks
 
-Tests: lat (ping-pong round trip: p50/p99/max), bw (one-way stream, a window
-of messages in flight), rate (small messages per second from blocking sends,
-with and without coalescing), rpc (request/response of different sizes).
-Iterations scale with size; warm-up is excluded. --protocol forces eager
-(eager_limit raised to 1 MiB; larger messages still go by rendezvous) or
+Tests: lat (round-trip time: SIZE bytes sent, the peer echoes SIZE bytes back;
+each sample runs from send() until the echo is received, not halved;
+p50/p99/max in microseconds), bw (one-way stream, a window of messages in
+flight, timed until the peer confirms it has them all; MB/s = 10^6 bytes/s),
+rate (small messages per second from blocking sends, with and without
+coalescing), rpc (request/response of different sizes). Sizes are bytes;
+K, M, G are 2^10, 2^20, 2^30. Iterations scale with size; warm-up is
+excluded. The first line names the backend and why it was chosen. --protocol
+forces eager (eager_limit raised to 1 MiB; larger messages still go by rendezvous) or
 rendezvous (eager_limit 0); the protocol each size actually took is recorded.
 Knob flags (--eager-limit, --chunk-size, ...) apply to both sides; with
 --connect they apply to this side only (the server keeps its own).
@@ -205,36 +210,67 @@ class Run:
             self.proc.wait()
 
 
+# What each table's figures are (fabric.perf.measure), printed above it.
+TEST_NOTES = {
+    "lat": "round-trip time in us: SIZE bytes out, the peer echoes them back (not halved)",
+    "bw": "one-way, {window} messages in flight, until the peer confirms receipt; MB/s = 10^6 B/s",
+    "rate": "messages/s from blocking send()s, until the peer confirms receipt; no-coal: coalesce=0",
+    "rpc": "a REQ-byte request, a RESP-byte response; latency per call in us",
+}
+HEADERS = {
+    "lat": f"{'size (B)':>10} {'proto':>10} {'p50 (us)':>10} {'p99 (us)':>10} {'max (us)':>10}",
+    "bw": f"{'size (B)':>10} {'proto':>10} {'MB/s':>10} {'msg/s':>12}",
+    "rate": f"{'size (B)':>10} {'msg/s':>12} {'no-coal':>12} {'gain':>6} {'MB/s':>9}",
+    "rpc": f"{'req (B)':>10} {'resp (B)':>10} {'p50 (us)':>10} {'p99 (us)':>10} {'calls/s':>10}",
+}
+
+
+def human_size(n) -> str:
+    from fabric.info import human_size as _human
+    return _human(n)
+
+
 def print_table(test: str, label: str, rows: list[dict], out=None):
     if not rows:
         return
     out = out or sys.stdout
-    if test == "lat":
-        print(f"\n{label} lat{'':<4}{'size':>10} {'proto':>10} {'p50 us':>10} {'p99 us':>10} {'max us':>10}", file=out)
-    elif test == "bw":
-        print(f"\n{label} bw{'':<5}{'size':>10} {'proto':>10} {'MB/s':>10} {'msg/s':>12}", file=out)
-    elif test == "rate":
-        print(f"\n{label} rate{'':<3}{'size':>10} {'msg/s':>12} {'no-coal':>12} {'gain':>6} {'MB/s':>9}", file=out)
-    else:
-        print(f"\n{label} rpc{'':<4}{'req':>10} {'resp':>10} {'p50 us':>10} {'p99 us':>10} {'calls/s':>10}", file=out)
+    note = TEST_NOTES[test].format(window=rows[0].get("window", "?"))
+    print(f"\n{label} {test}: {note}", file=out)
+    print("  " + HEADERS[test], file=out)
     for r in rows:
         print(format_row(test, r), file=out)
     out.flush()
 
 
 def format_row(test: str, r: dict) -> str:
-    pad = " " * 14
+    pad = "  "
     if test == "lat":
-        return f"{pad}{r['size']:>10} {r['protocol']:>10} {r['p50_us']:>10.1f} {r['p99_us']:>10.1f} {r['max_us']:>10.1f}"
+        return (f"{pad}{human_size(r['size']):>10} {r['protocol']:>10} {r['p50_us']:>10.1f} {r['p99_us']:>10.1f} "
+                f"{r['max_us']:>10.1f}")
     if test == "bw":
-        return f"{pad}{r['size']:>10} {r['protocol']:>10} {r['MBps']:>10.1f} {r['msgs_per_s']:>12.0f}"
+        return f"{pad}{human_size(r['size']):>10} {r['protocol']:>10} {r['MBps']:>10.1f} {r['msgs_per_s']:>12.0f}"
     if test == "rate":
         nc = r.get("msgs_per_s_no_coalescing")
         nc_text = f"{nc:.0f}" if nc else "-"
         gain = f"{r['coalescing_gain']:.2f}x" if nc else "-"
-        return f"{pad}{r['size']:>10} {r['msgs_per_s']:>12.0f} {nc_text:>12} {gain:>6} {r['MBps']:>9.1f}"
-    return (f"{pad}{r['request']:>10} {r['response']:>10} {r['p50_us']:>10.1f} {r['p99_us']:>10.1f} "
-            f"{r['calls_per_s']:>10.0f}")
+        return f"{pad}{human_size(r['size']):>10} {r['msgs_per_s']:>12.0f} {nc_text:>12} {gain:>6} {r['MBps']:>9.1f}"
+    return (f"{pad}{human_size(r['request']):>10} {human_size(r['response']):>10} {r['p50_us']:>10.1f} "
+            f"{r['p99_us']:>10.1f} {r['calls_per_s']:>10.0f}")
+
+
+def backend_reason(requested: str | None) -> str:
+    """Why a Fabric(requested) got its backend, for the `backend:` line."""
+    from fabric import backends
+    if requested is None:
+        env = os.environ.get("FABRIC_BACKEND")
+        if env and env.strip().lower() != "auto":
+            return f"FABRIC_BACKEND={env}"
+    elif requested.strip().lower() != "auto":
+        if requested.strip().lower() == "softroce":
+            return "-b softroce: verbs on an rxe device"
+        return f"-b {requested}"
+    reasons = backends.auto_reasons()
+    return "auto: " + ("; ".join(reasons) if reasons else "the first backend it tries")
 
 
 def measure_runs(args, tests, sizes, rpc_pairs, knobs) -> dict:
@@ -253,10 +289,12 @@ def measure_runs(args, tests, sizes, rpc_pairs, knobs) -> dict:
     for backend, protocol in itertools.product(backends, protocols):
         run = Run(backend, protocol, knobs, args.connect, pin=args.pin)
         rec = run.describe()
+        rec["backend_reason"] = backend_reason(backend)
         results["runs"].append(rec)
-        print(f"fabric-perf: {run.label}, peer {run.address}, eager_limit {rec['thresholds']['eager_limit_effective']}, "
-              f"chunk_size {rec['thresholds']['chunk_size']} x {rec['thresholds']['chunks_in_flight']} in flight",
-              flush=True)
+        print(f"backend: {run.backend} ({rec['backend_reason']})", flush=True)
+        th = rec["thresholds"]
+        print(f"fabric-perf: {run.label}, peer {run.address}, eager_limit {human_size(th['eager_limit_effective'])}, "
+              f"chunk_size {human_size(th['chunk_size'])} x {th['chunks_in_flight']} in flight", flush=True)
         try:
             for test in tests:
                 if test == "rpc":
@@ -331,9 +369,20 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tune", action="store_true", help="measure this host and write the tuning profile")
     ap.add_argument("--profile", metavar="FILE", help="--tune: where to write (default: see fabric.options)")
     ap.add_argument("--dry-run", action="store_true", help="--tune: measure and print, write nothing")
-    knobs = ap.add_argument_group("engine knobs (both sides)")
+    ap.add_argument("--list-backends", action="store_true",
+                    help="print every backend, whether it is usable here and why, and which auto picks")
+    import fabric
+    ap.add_argument("--version", action="version", version=f"fabric-perf {fabric.__version__}",
+                    help="print the version and exit")
+    from fabric.options import HELP, KNOBS, env_name
+    knobs = ap.add_argument_group(
+        "engine knobs", "Applied to both sides (this side only with --connect). SIZE takes K, M, G.\n"
+        "A knob not given keeps its value from the environment, the tuning profile or the\n"
+        "backend's default (python -m fabric info shows each value and its source).")
     for k in KNOB_FLAGS:
-        knobs.add_argument(f"--{k.replace('_', '-')}", dest=k, default=None, metavar="V")
+        knobs.add_argument(f"--{k.replace('_', '-')}", dest=k, default=None,
+                           metavar={"size": "SIZE", "int": "N", "float": "X"}[KNOBS[k][0]],
+                           help=f"{HELP[k]} (env {env_name(k)})")
     return ap
 
 
@@ -363,6 +412,15 @@ def main(argv=None) -> int:
         ap.error("--window must be at least 1")
     if args.scale <= 0:
         ap.error("--scale must be positive")
+    if args.list_backends:
+        from fabric import info
+        data = info.gather_backends()
+        print(f"backends (auto picks {data['auto']['picks'] or 'nothing usable'})")
+        print(info.backend_table(data))
+        return 0
+    if args.plot and not args.server and not args.tune:
+        from fabric.perf import plot
+        plot.require()             # before measuring: minutes of figures would be lost at the end
 
     if args.server:
         import fabric

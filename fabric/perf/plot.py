@@ -4,12 +4,19 @@ backend/protocol (plus message rate and RPC panels when measured)."""
 from __future__ import annotations
 
 
-def _pyplot():
+def require():
+    """Raise SystemExit with what to install if matplotlib cannot be imported."""
     try:
         import matplotlib
-    except ImportError:
-        raise SystemExit("fabric-perf --plot needs matplotlib: pip install matplotlib "
-                         "(or pip install 'fabric-transport[perf]')") from None
+    except ImportError as e:
+        raise SystemExit(f"fabric-perf --plot needs matplotlib, which does not import here ({e}): "
+                         "pip install matplotlib (or pip install 'fabric-transport[perf]'); "
+                         "nothing was measured") from None
+    return matplotlib
+
+
+def _pyplot():
+    matplotlib = require()
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
