@@ -45,7 +45,7 @@ def test_json_lists_every_backend_with_a_reason_and_autos_choice(tmp_path):
         assert doc["auto"]["order"] == list(backends.auto_order())
         assert doc["auto"]["picks"] == backends.get("auto").name
         assert doc["backends"][doc["auto"]["picks"]]["auto"] == "picked"
-        assert doc["backends"]["ucx"]["auto"] == "skipped" and "UCX_TLS" in doc["backends"]["ucx"]["auto_reason"]
+        assert doc["backends"]["ucx"]["auto"] != "skipped"      # tried with or without UCX_TLS
     for name, (ok, reason) in backends.available().items():
         assert doc["backends"][name]["usable"] == ok
     assert doc["default"] == {"backend": "auto", "source": "auto"}

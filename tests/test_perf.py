@@ -226,7 +226,7 @@ def test_backend_line_says_why(monkeypatch):
     monkeypatch.delenv("UCX_TLS", raising=False)
     reason = cli.backend_reason(None)
     assert reason.startswith("auto: ")
-    assert "ucx skipped: auto uses ucx only when UCX_TLS is set" in reason
+    assert "skipped" not in reason              # auto tries every backend, fastest first
     if not backends.available()["verbs"][0]:
         assert "verbs unusable: " + backends.short_reason(backends.available()["verbs"][1]) in reason
     assert cli.backend_reason("auto") == reason
@@ -242,7 +242,9 @@ def test_auto_run_names_its_backend_and_why_first(monkeypatch, capsys):
     monkeypatch.delenv("UCX_TLS", raising=False)
     assert cli.main(["-t", "lat", "-s", "8", "--scale", "0.01"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
-    assert first.startswith(f"backend: {backends.get('auto').name} (auto: ") and "UCX_TLS" in first
+    assert first.startswith(f"backend: {backends.get('auto').name} (auto: ")
+    if not backends.available()["verbs"][0]:
+        assert "verbs unusable" in first
 
 
 def test_plot_without_matplotlib_fails_before_measuring(tmp_path, monkeypatch):

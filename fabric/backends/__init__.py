@@ -66,8 +66,7 @@ def explain_auto() -> tuple:
 
 def auto_reasons() -> list:
     """Why auto passed over the backends it did not pick, one short clause
-    each: ['verbs unusable: no RDMA device...', 'ucx skipped: auto uses ucx
-    only when UCX_TLS is set']."""
+    each: ['verbs unusable: no RDMA device...']."""
     return [f"{name} {status}: {short_reason(why)}" for name, status, why in explain_auto()[1]
             if status in ("unusable", "skipped")]
 
