@@ -159,12 +159,15 @@ def test_targets(target, expected):
 
 
 def test_cheap_frame_reprs_print_what_hyperframe_printed():
-    """fabric.grpc makes hyperframe's DATA-frame repr read 10 bytes instead of
-    hex-encoding the whole payload (h2 builds it for every received frame);
-    the strings must not change."""
+    """fabric.grpc's connections get DATA frames whose repr reads 10 bytes
+    instead of hex-encoding the whole payload (h2 builds it for every
+    received frame); the strings must not change, and hyperframe's own
+    classes (every other h2 user in the process) are left alone."""
     import binascii
+    import h2.config
+    import h2.connection
     from hyperframe import frame as hf
-    import fabric.grpc._http2  # noqa: F401  (applies the change)
+    from fabric.grpc import _http2
 
     def original(f):
         body = f.serialize_body()
@@ -173,13 +176,24 @@ def test_cheap_frame_reprs_print_what_hyperframe_printed():
         r = binascii.hexlify(body).decode("ascii")
         return "<hex:" + (r[:20] + "..." if len(r) > 20 else r) + ">"
 
+    pristine = hf.DataFrame._body_repr
+    assert pristine.__module__ == "hyperframe.frame" and hf._raw_data_repr.__module__ == "hyperframe.frame"
     for n in (0, 1, 9, 10, 11, 100, 70000):
         for pad in (None, 0, 3, 200):
             f = hf.DataFrame(1, data=os.urandom(n))
             if pad is not None:
                 f.flags.add("PADDED")
                 f.pad_length = pad
-            assert f._body_repr() == original(f)
+            assert _http2._cheap_data_repr(f) == original(f) == f._body_repr()
+    # the frames of a fabric connection's buffer: same repr, cheap class
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    _http2.install_cheap_frame_buffer(conn)
+    frame = hf.DataFrame(1, data=b"x" * 5000)
+    conn.incoming_buffer.max_frame_size = 16384
+    conn.incoming_buffer.add_data(frame.serialize())
+    received = next(iter(conn.incoming_buffer))
+    assert type(received) is not hf.DataFrame and isinstance(received, hf.DataFrame)
+    assert repr(received) == repr(frame) and received.data == frame.data
 
 
 # -- remembered HPACK work (fabric.grpc._http2._MemoHpack)
@@ -254,3 +268,14 @@ def test_socket_stream_reads_with_a_timeout_and_into_buffers():
     b.close()
     assert stream.read_message(timeout=5) is None and stream.read_into(bytearray(4)) == 0
     stream.close()
+
+
+def test_cheap_frame_buffer_stays_out_without_the_h2_internals_it_needs():
+    import h2.config
+    import h2.connection
+    from h2.frame_buffer import FrameBuffer
+    from fabric.grpc import _http2
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    del conn._frame_dispatch_table            # as if another h2 had no such table
+    _http2.install_cheap_frame_buffer(conn)
+    assert type(conn.incoming_buffer) is FrameBuffer

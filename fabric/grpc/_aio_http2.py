@@ -22,7 +22,7 @@ import h2.exceptions
 import h2.settings
 
 from fabric import errors
-from fabric.grpc import _keepalive, _tls, _wire
+from fabric.grpc import _http2, _keepalive, _tls, _wire
 from fabric.grpc._http2 import (CONNECTION_WINDOW, MAX_CONCURRENT_STREAMS, MAX_FRAME, MAX_HEADER_LIST,
                                 PROMPT_WINDOW_UPDATE, QUEUED_HIGH_WATER, STREAM_WINDOW, ConnectionFailed,
                                 DATA, END_STREAM_FLAG, FAST_DATA_MIN, GOAWAY_ACK_WAIT, GOAWAY_PING, LINGER,
@@ -342,6 +342,7 @@ class AioConnection:
                                            normalize_outbound_headers=False,
                                            validate_inbound_headers=not trusted_peer)
         self.h2 = h2.connection.H2Connection(config)
+        _http2.install_cheap_frame_buffer(self.h2)
         self.fast_data = fast_data_supported(self.h2)
         self.counters = {"fast_data_frames_sent": 0, "fast_data_frames_received": 0}
         keep_streams_open_on_goaway(self.h2)

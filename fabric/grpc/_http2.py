@@ -54,43 +54,73 @@ def parse_frame_header(view) -> tuple[int, int, int, int]:
     return (hi << 8) | lo, ftype, flags, sid & 0x7FFFFFFF
 
 
-def _cheap_frame_reprs():
+def _cheap_data_repr(frame) -> str:
+    """repr() of a DATA frame's body as hyperframe writes it (the first 10
+    bytes of the serialized body, hex, then "..."), from those bytes only."""
+    import binascii
+    padding = frame.serialize_padding_data()
+    size = len(padding) + len(frame.data) + (frame.pad_length if "PADDED" in frame.flags else 0)
+    if size == 0:
+        return "None"
+    head = padding + bytes(memoryview(frame.data)[:11])
+    head = (head + b"\0" * 11)[:min(11, size)]
+    text = binascii.hexlify(head).decode("ascii")
+    return "<hex:" + (text[:20] + "..." if len(text) > 20 else text) + ">"
+
+
+def install_cheap_frame_buffer(conn: h2.connection.H2Connection) -> None:
     """h2 formats repr(frame) for every frame it receives, logging on or off,
     and hyperframe's repr of a DATA frame re-serializes the whole body and
-    hex-encodes all of it before keeping the first 20 hex digits: three
-    passes over every payload (a 4 MiB gRPC message spent 14 ms there).
-    Same strings, from the first 10 bytes only."""
+    hex-encodes all of it before keeping 20 hex digits: three passes over
+    every payload (a 4 MiB gRPC message spent 14 ms there). This connection's
+    frame buffer hands out DATA frames whose repr reads 10 bytes; hyperframe
+    itself, and every other user of h2 in the process, is left as it is.
+    Without the hooks it needs (another h2/hyperframe), h2 keeps its own."""
     try:
-        import binascii
-        from hyperframe import frame as hf
+        from h2.frame_buffer import FrameBuffer
+        from hyperframe.frame import DataFrame
     except ImportError:                       # pragma: no cover
         return
-    original = getattr(hf, "_raw_data_repr", None)
-    if original is None or getattr(original, "_fabric_cheap", False) or not hasattr(hf.DataFrame, "serialize_padding_data"):
+    buffer = getattr(conn, "incoming_buffer", None)
+    table = getattr(conn, "_frame_dispatch_table", None)      # h2 routes frames by exact type
+    if (_CheapFrameBuffer is None or type(buffer) is not FrameBuffer or buffer._data
+            or not isinstance(table, dict) or DataFrame not in table
+            or not hasattr(DataFrame, "serialize_padding_data") or not hasattr(DataFrame, "_body_repr")):
         return
-
-    def raw_data_repr(data):
-        if not data:
-            return "None"
-        head = binascii.hexlify(bytes(memoryview(data)[:11])).decode("ascii")
-        return "<hex:" + (head[:20] + "..." if len(head) > 20 else head) + ">"
-
-    def data_body_repr(self):
-        padding_data = self.serialize_padding_data()
-        size = len(padding_data) + len(self.data) + (self.pad_length if "PADDED" in self.flags else 0)
-        if size == 0:
-            return "None"
-        # the first bytes of serialize_body(): pad length, data, zero padding
-        head = padding_data + bytes(memoryview(self.data)[:11])
-        head = (head + b"\0" * 11)[:min(11, size)]
-        return raw_data_repr(head)
-
-    raw_data_repr._fabric_cheap = True
-    hf._raw_data_repr = raw_data_repr
-    hf.DataFrame._body_repr = data_body_repr
+    table[_CheapFrameBuffer.data_frame] = table[DataFrame]
+    cheap = _CheapFrameBuffer(server=not conn.config.client_side)
+    cheap.max_frame_size = buffer.max_frame_size
+    conn.incoming_buffer = cheap
 
 
-_cheap_frame_reprs()
+def _make_cheap_frame_buffer():
+    try:
+        from h2.frame_buffer import FrameBuffer
+        from hyperframe.frame import DataFrame
+    except ImportError:                       # pragma: no cover
+        return None
+
+    class CheapReprDataFrame(DataFrame):
+        __slots__ = ()
+
+        def _body_repr(self) -> str:
+            return _cheap_data_repr(self)
+
+    CheapReprDataFrame.__name__ = "DataFrame"     # h2's log lines read as before
+
+    class CheapFrameBuffer(FrameBuffer):
+        data_frame = CheapReprDataFrame
+
+        def __next__(self):
+            frame = super().__next__()
+            if type(frame) is DataFrame:
+                frame.__class__ = CheapReprDataFrame
+            return frame
+
+    return CheapFrameBuffer
+
+
+_CheapFrameBuffer = _make_cheap_frame_buffer()
 
 
 class _MemoHpack:
@@ -326,6 +356,7 @@ class Connection:
                                            normalize_outbound_headers=False,
                                            validate_inbound_headers=not trusted_peer)
         self.h2 = h2.connection.H2Connection(config)
+        install_cheap_frame_buffer(self.h2)
         keep_streams_open_on_goaway(self.h2)
         self.h2.encoder = _MemoHpack(self.h2.encoder, "encode")
         self.h2.decoder = _MemoHpack(self.h2.decoder, "decode")
