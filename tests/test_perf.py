@@ -363,3 +363,28 @@ def test_perf_and_test_set_up_modes():
     guest = setup.split('if [ "$LEAN" = 0 ] && [ "${FABRIC_SOFTROCE:-1}" != 0 ]; then', 1)[1].split("fi", 1)[0]
     assert "qemu-system-x86" in guest and "linux-image-amd64" in guest
     assert setup.rstrip().splitlines()[-1].startswith("echo") and ".fabric-setup-stamp" in setup.splitlines()[-1]
+
+
+def test_perf_modules_import_without_a_cycle():
+    """fabric.perf's layering: common <- measure/wire <- tune <- cli; tune
+    never imports the CLI."""
+    import ast
+    import pathlib
+    root = pathlib.Path(cli.__file__).parent
+    imported = {}
+    for path in root.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                if node.module == "fabric.perf":
+                    names.update(a.name for a in node.names)
+                elif node.module.startswith("fabric.perf."):
+                    names.add(node.module.rsplit(".", 1)[1])
+        imported[path.stem] = names
+    assert "cli" not in imported["tune"] and "cli" not in imported["common"], imported
+
+    def reaches(a, b, seen=()):
+        return any(n == b or (n not in seen and reaches(n, b, seen + (n,))) for n in imported.get(a, ()))
+    for mod in imported:
+        assert not reaches(mod, mod), f"fabric.perf.{mod} imports itself through {imported}"

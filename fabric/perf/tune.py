@@ -24,7 +24,7 @@ import statistics
 import sys
 
 from fabric.perf import measure
-from fabric.perf.cli import EAGER_MAX, machine_info, pin_self, spawn_peer, versions
+from fabric.perf.common import EAGER_MAX, machine_info, pin_self, spawn_peer, versions
 
 MARGIN = 0.05
 ROUNDS = 5
