@@ -85,7 +85,8 @@ class Stream:
     def _take_pending(self, limit: int | None = None) -> memoryview:
         """The next bytes of the pending message, at most limit (all: None)."""
         view = self._pending
-        assert view is not None
+        if view is None:           # callers check first; never an assert (gone under python -O)
+            raise errors.FabricError("stream: no pending message to read from")
         if limit is None or len(view) <= limit:
             self._pending = self._pending_msg = None
             return view
