@@ -188,6 +188,36 @@ def test_fabric_close_fails_pending_operations_and_releases_everything(backend_n
 
 
 @pytest.mark.timeout(60)
+def test_closed_connections_hand_their_ucx_endpoints_back(backend_name):
+    """Regression: error-mode NONE endpoints (UCX_TLS=sm, and ucx between
+    two processes of one host) were closed with UCP_EP_CLOSE_FLAG_FORCE,
+    which UCX refuses for that mode (INVALID_PARAM): every closed connection
+    left its UCP endpoint behind until the Fabric went."""
+    if backend_name != "ucx":
+        pytest.skip("UCP endpoints exist on the ucx fabric only")
+    server_fab = fabric.Fabric(backend_name, **small_options())
+    client_fab = fabric.Fabric(backend_name, **small_options())
+    for round_ in range(3):
+        pairs = [connect_pair(client_fab, server_fab) for _ in range(10)]
+        for c, s in pairs:
+            c.send(b"x" * 100)
+            assert s.recv(timeout=10) == b"x" * 100
+        assert server_fab._worker.domain.endpoints == (10, 0)
+        for c, s in pairs:
+            c.close()
+            s.close()
+        # an endpoint whose peer vanished first waits for UCX's report of it
+        deadline = time.monotonic() + 10
+        while (any(f._worker.domain.endpoints != (0, 0) for f in (client_fab, server_fab))
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
+        for fab in (client_fab, server_fab):
+            assert fab._worker.domain.endpoints == (0, 0), (round_, backend_name)
+    client_fab.close()
+    server_fab.close()
+
+
+@pytest.mark.timeout(60)
 def test_fabric_close_flushes_queued_sends_first(backend_name):
     a = fabric.Fabric(backend_name, **small_options())
     b = fabric.Fabric(backend_name, **small_options())

@@ -19,7 +19,8 @@ thousand of them cost a thousand sockets, not a thousand epoll sets.
 Closing never waits for UCX: requests a forced ucp_ep_close cannot cancel
 at once (shared memory cannot report a dead peer, so its rendezvous sends
 stay pending) keep the channel as a zombie of the domain until they complete
-or the domain goes.
+or the domain goes. So does the endpoint of a peer that vanished before UCX
+reported it (closing it then races UCX's own failure handling).
 
 Bootstrap message, each way, little-endian:
     "FUCX" | u16 version 2 | u16 flags | u64 channel key | u32 address length | address
@@ -123,6 +124,8 @@ cdef extern from "ucx_shim.h" nogil:
     const char* ucs_status_string(ucs_status_t status)
 
 cdef double CLOSE_GRACE = 0.02    # seconds close() lets a live peer's cancellations complete
+cdef double FAILURE_GRACE = 1.0   # seconds a dead peer's endpoint waits for UCX's report (checked
+                                  # when the domain next progresses)
 
 cdef enum:
     BOOT_MAGIC = 0x58435546      # "FUCX"
@@ -189,6 +192,8 @@ cdef struct ucx_domain:
     uint32_t nchans
     ucx_chan* zombies    # closed channels whose requests UCX still holds
     int closing          # the Fabric closes it: stop at nothing
+    uint64_t eps_open    # UCP endpoints created and not yet handed back (leak checks)
+    uint64_t ep_close_errors  # ucp_ep_close_nbx refusals (each leaves an endpoint behind)
 
 cdef struct ucx_chan:
     fab_channel base
@@ -199,7 +204,9 @@ cdef struct ucx_chan:
     int state
     int sock
     int ep_failed
+    int ep_peer_mode           # the UCP endpoint was made with error mode PEER
     int peer_gone
+    double ep_close_at         # a closed channel's endpoint is closed by then at the latest
     uint32_t polls
     # bootstrap
     char* bout
@@ -220,7 +227,7 @@ cdef struct ucx_chan:
     uint32_t handed_cap
     ucx_req* reqs              # UCX requests that still reference this channel
     int closed                 # closed by the engine; freed once reqs is empty
-    void* close_req            # the forced ucp_ep_close, while UCX completes it
+    void* close_req            # the ucp_ep_close, while UCX completes it
     ucx_chan* zombie_next
     ucx_chan* zombie_prev
     int is_zombie
@@ -333,6 +340,13 @@ cdef class UcxDomain:
         and listener (leak and race checks)."""
         return self.d.refs if self.d != NULL else 0
 
+    @property
+    def endpoints(self):
+        """(UCP endpoints open, ucp_ep_close refusals so far): leak checks."""
+        if self.d == NULL:
+            return (0, 0)
+        return (self.d.eps_open, self.d.ep_close_errors)
+
 
 # ------------------------------------------------------------ completions
 
@@ -406,11 +420,34 @@ cdef int close_pending(ucx_chan* ch) noexcept nogil:
     ch.close_req = NULL
     return 0
 
+cdef void close_endpoint(ucx_chan* ch) noexcept nogil:
+    """Hand the UCP endpoint back to UCX. PEER mode: forced, which cancels
+    what is outstanding. NONE mode cannot be forced (UCX refuses with
+    INVALID_PARAM and the endpoint would live until the worker goes): it is
+    flushed locally."""
+    cdef ucs_status_ptr_t sp
+    if ch.ep == NULL:
+        return
+    sp = fab_ucx_ep_close(ch.ep, 1 if ch.ep_peer_mode else 0)
+    if fab_ucx_is_ptr(sp):
+        ch.close_req = sp
+    elif fab_ucx_status(sp) != UCS_OK:
+        ch.dom.ep_close_errors += 1
+    ch.dom.eps_open -= 1
+    ch.ep = NULL
+
+cdef void maybe_close_endpoint(ucx_chan* ch) noexcept nogil:
+    """A closed channel's endpoint held back for UCX's error report (see
+    ucx_close) goes once UCX made the report, or at ep_close_at."""
+    if ch.ep != NULL and (ch.ep_failed or ch.dom.closing or monotonic_now() >= ch.ep_close_at):
+        close_endpoint(ch)
+
 cdef void maybe_free_channel(ucx_chan* ch) noexcept nogil:
     """A closed channel goes once UCX no longer holds requests naming it."""
     cdef uint32_t i
     cdef ucx_domain* d = ch.dom
-    if not ch.closed or not ch.released or ch.reqs != NULL or close_pending(ch):
+    if (not ch.closed or not ch.released or ch.ep != NULL or ch.reqs != NULL
+            or close_pending(ch)):
         return
     if ch.is_zombie:
         if ch.zombie_prev != NULL:
@@ -431,6 +468,7 @@ cdef void sweep_zombies(ucx_domain* d) noexcept nogil:
     cdef ucx_chan* nxt
     while ch != NULL:
         nxt = ch.zombie_next
+        maybe_close_endpoint(ch)
         maybe_free_channel(ch)
         ch = nxt
 
@@ -441,6 +479,7 @@ cdef void destroy_zombies(ucx_domain* d) noexcept nogil:
     cdef ucx_req* r
     while d.zombies != NULL:
         ch = d.zombies
+        close_endpoint(ch)
         while ch.reqs != NULL:
             r = ch.reqs
             req_untrack(ch, r)
@@ -631,6 +670,8 @@ cdef int boot_progress(ucx_chan* ch) noexcept nogil:
                            on_ep_error, ch, &ch.ep)
     if st != UCS_OK:
         return fail_ready(ch, ECONNREFUSED_, "cannot reach the peer's UCX worker (check UCX_TLS on both sides)")
+    ch.ep_peer_mode = peer_errors
+    ch.dom.eps_open += 1
     ch.state = ST_READY
     free(ch.bin)
     free(ch.bout)
@@ -972,11 +1013,10 @@ cdef int ucx_arm(fab_channel* fch, uint32_t* events) noexcept nogil:
     return 0
 
 cdef void ucx_close(fab_channel* fch) noexcept nogil:
-    """Close the UCP endpoint (forced: outstanding requests are cancelled) and
-    release every mapping, without waiting for UCX: what it cannot cancel at
-    once keeps the channel as a zombie of the domain (see the module doc)."""
+    """Close the UCP endpoint (see close_endpoint) and release every mapping,
+    without waiting for UCX: what it cannot cancel at once keeps the channel
+    as a zombie of the domain (see the module doc)."""
     cdef ucx_chan* ch = <ucx_chan*>fch
-    cdef ucs_status_ptr_t sp
     cdef double deadline
     cdef fab_regnode* node
     cdef ucx_deferred* dq
@@ -989,11 +1029,17 @@ cdef void ucx_close(fab_channel* fch) noexcept nogil:
     hub_unready(&d.hub, fch)
     if (ch.key & 0xFFFFFFFFU) < d.nchans and d.chans[ch.key & 0xFFFFFFFFU] == ch:
         d.chans[ch.key & 0xFFFFFFFFU] = NULL
-    if ch.ep != NULL:
-        sp = fab_ucx_ep_close(ch.ep, 1)
-        if fab_ucx_is_ptr(sp):
-            ch.close_req = sp
-        ch.ep = NULL
+    if (ch.ep_peer_mode and ch.peer_gone and not fch.peer_closed and not ch.ep_failed
+            and not d.closing):
+        # The peer vanished without a CLOSE (it died) and UCX has not said so
+        # yet. Forcing the close now races UCX's own handling of the dying
+        # connection (over tcp, UCX 1.22 frees a lane's transport endpoint it
+        # is still discarding: a crash inside ucp_worker_progress). Keep the
+        # endpoint until UCX's error report (within milliseconds, as its
+        # sockets end too), then close it (as a zombie).
+        ch.ep_close_at = monotonic_now() + FAILURE_GRACE
+    else:
+        close_endpoint(ch)
     # Cancelled requests of a live peer complete within a few progress
     # rounds; a peer that is gone may never let them: do not wait for it.
     if not (ch.peer_gone or ch.ep_failed or d.closing):
@@ -1029,7 +1075,7 @@ cdef void ucx_close(fab_channel* fch) noexcept nogil:
     ch.sock = -1
     fch.fd = -1
     ch.released = 1
-    if ch.reqs != NULL or close_pending(ch):
+    if ch.ep != NULL or ch.reqs != NULL or close_pending(ch):
         ch.is_zombie = 1
         ch.zombie_prev = NULL
         ch.zombie_next = d.zombies
