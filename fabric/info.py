@@ -463,6 +463,48 @@ def format_text(data: dict) -> str:
     return "\n".join(lines)
 
 
+def gather_protocols(backend: str | None, overrides: dict) -> list[dict]:
+    """For the named backend (default: every usable one), the engine's
+    protocol for each range of message sizes with the options a Fabric would
+    resolve here (profile, environment, `overrides`)."""
+    from fabric import backends
+    from fabric import options as _options
+    from fabric.protocol import engine
+    usable = backends.available()
+    names = [backend] if backend else [n for n in backends.auto_order() if usable.get(n, (False,))[0]]
+    tables = []
+    for name in names:
+        b = backends.get(name)
+        sources = _options.resolve_sources(b.name, b.default_options(), overrides)
+        opts = {k: v for k, (v, _) in sources.items()}
+        profiled = sorted(k for k, (_, src) in sources.items() if src == "profile")
+        variants = [(None, "")]
+        if b.name == "ucx":
+            # the error mode decides per connection (see fabric/backends/ucx.pyx)
+            variants = [(True, "error mode PEER: network transports (tcp, rdma)"),
+                        (False, "error mode NONE: shared memory, two processes of one host")]
+        for native_only, note in variants:
+            rows = engine.protocol_table(b, opts, native_only)
+            tables.append({"backend": b.name, "variant": note, "profile_knobs": profiled,
+                           "rows": [{"from": lo, "to": hi, "protocol": p, "how": how}
+                                    for lo, hi, p, how in rows]})
+    return tables
+
+
+def format_protocols(tables: list[dict]) -> str:
+    lines = []
+    for t in tables:
+        title = t["backend"] + (f" ({t['variant']})" if t["variant"] else "")
+        if t["profile_knobs"]:
+            title += "; tuned by the profile: " + ", ".join(t["profile_knobs"])
+        lines.append(title)
+        for r in t["rows"]:
+            rng = f"{human_size(r['from'])} .. " + (human_size(r["to"]) if r["to"] is not None else "")
+            lines.append(f"  {rng:<22} {r['protocol']:<11} {r['how']}")
+        lines.append("")
+    return "\n".join(lines).rstrip("\n")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fabric info",
                                  description="What fabric finds here: backends, UCX, RDMA devices, knobs.")
@@ -471,6 +513,8 @@ def main(argv=None) -> int:
                     help="show the knobs of this backend (default: $FABRIC_BACKEND or auto, as Fabric())")
     ap.add_argument("-o", "--option", action="append", default=[], metavar="KNOB=VALUE",
                     help="a keyword argument as given to Fabric(), to see its effect (repeatable)")
+    ap.add_argument("--protocols", action="store_true",
+                    help="only which protocol each message size takes, per backend (as UCX_PROTO_INFO)")
     ap.add_argument("--sysfs", default=SYSFS_IB, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     overrides = {}
@@ -479,6 +523,10 @@ def main(argv=None) -> int:
             ap.error(f"--option {item!r} is not KNOB=VALUE")
         key, value = item.split("=", 1)
         overrides[key.strip()] = value.strip()
+    if args.protocols:
+        tables = gather_protocols(args.backend, overrides)
+        print(json.dumps(tables, indent=2) if args.json else format_protocols(tables))
+        return 0
     data = gather(args.backend, overrides, sysfs=args.sysfs)
     if args.json:
         print(json.dumps(data, indent=2))

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fabric
+from fabric.protocol import engine
 from conftest import connect_pair, small_options
 
 EAGER = small_options()["eager_limit"]
@@ -649,6 +650,11 @@ def test_protocol_choice_at_boundaries(pair, size):
     else:
         expect = ("rendezvous", -(-size // CHUNK))
     assert client.protocol_for(size) == expect
+    # the printable table (python -m fabric info --protocols) says the same
+    worker = client.worker
+    table = engine.protocol_table(worker.backend, worker.options, native_only if native_only else None)
+    row = [r for r in table if r[0] <= size and (r[1] is None or size <= r[1])]
+    assert len(row) == 1 and row[0][2] == expect[0], (size, table)
     before = client.stats()
     req = client.isend(payload(size))
     assert server.recv(timeout=10) == payload(size)

@@ -280,3 +280,19 @@ def test_ucx_info_absent_failing_or_chatty(tmp_path, monkeypatch, capfd):
     assert got["error"] is None and got["transports"] == [{"transport": "tcp", "device": "lo"}]
     out, err = capfd.readouterr()
     assert out == "" and err == ""          # its stdout and stderr were captured, not passed through
+
+
+def test_protocols_lists_each_size_range_once(tmp_path):
+    tables = json.loads(run_fabric(["info", "--protocols", "--json", "-b", "tcp", "-o", "eager_limit=1000"],
+                                   tmp_path).stdout)
+    (t,) = tables
+    rows = t["rows"]
+    assert rows[0]["from"] == 0 and rows[-1]["to"] is None
+    for a, b in zip(rows, rows[1:]):          # contiguous, no overlap
+        assert b["from"] == a["to"] + 1
+    assert [r["protocol"] for r in rows] == ["eager", "rendezvous"] and rows[0]["to"] == 1000
+    text = run_fabric(["info", "--protocols"], tmp_path).stdout
+    for name, (ok, _) in backends.available().items():
+        assert (name in text) == ok
+    if backends.available()["ucx"][0]:
+        assert "error mode PEER" in text and "error mode NONE" in text

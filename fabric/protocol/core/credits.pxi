@@ -1,0 +1,27 @@
+# Part of fabric.protocol.engine (included by engine.pyx).
+#
+# Credits: flow control between two endpoints.
+# Each side offers `credits` receive buffers; every fabric message costs the
+# sender one peer credit (peer_credits) and comes back piggybacked on the
+# receiver's next frame or in an explicit CREDIT (c2r: owed to the peer).
+# CREDIT_RESERVE of them are kept for control frames, so CHUNK_DONE, CREDIT
+# and CLOSE always get through. A receiver holding more than recv_budget
+# bytes of unreceived messages keeps the credits of new ones (held) until the
+# application receives: a fast sender cannot make it buffer without bound.
+# Invariant: credits are conserved: peer_credits + in flight + c2r + held
+# equals what was offered.
+
+cdef inline uint16_t take_credits(ep_t* ep) noexcept nogil:
+    cdef uint32_t c = ep.c2r
+    if c > 0xFFFF:
+        c = 0xFFFF
+    ep.c2r -= c
+    if ep.c2r_quiet > ep.c2r:
+        ep.c2r_quiet = ep.c2r
+    return <uint16_t>c
+
+cdef void release_budget(ep_t* ep, size_t charge) noexcept nogil:
+    ep.inbuf_bytes -= charge
+    if ep.held and ep.inbuf_bytes <= ep.w.opts.recv_budget:
+        ep.c2r += ep.held
+        ep.held = 0

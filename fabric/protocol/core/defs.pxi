@@ -1,0 +1,87 @@
+# Part of fabric.protocol.engine (included by engine.pyx).
+#
+# Constants of the engine: endpoint and operation states, completion tags,
+# error codes of our own, limits, and the test-only fault stages.
+
+cdef enum:
+    EP_HANDSHAKE = 1
+    EP_OPEN = 2
+    EP_FAILED = 3        # marked failed, not yet settled
+    EP_DEAD = 4          # channel closed, operations failed
+
+cdef enum:
+    OP_QUEUED = 1
+    OP_ZC = 2
+    OP_RNDV = 3
+    OP_DONE = 4
+    OP_FAILED = 5
+
+cdef enum:
+    TAG_SLAB = 1
+    TAG_OP = 2
+    TAG_DESC = 3
+    TAG_NATIVE = 4       # a native chunk send of a rendezvous op
+    TAG_MASK = 7         # malloc returns 16-byte aligned blocks
+
+cdef enum:
+    KIND_EP = 1
+    KIND_LST = 2
+
+cdef enum:
+    ESHUTDOWN_ = 108     # closed, locally or by the peer's CLOSE
+    EBUSY_ = 16          # another receive is in progress
+    EACCES_ = 13         # the peer refused a read, or offered a bad region
+
+cdef enum:
+    CREDIT_RESERVE = 2      # credits kept for control frames
+    MAX_EVENTS = 32
+    MAX_PENDING_HANDSHAKES = 64
+    MAX_SEGMENTS_ZC = 62    # scatter entries sent zero-copy in one send
+    WAIT_SLICE_MS = 200     # blocking waits wake this often to check signals
+
+cdef enum:
+    BG_BEHIND_POLLER = 1 # an application thread is blocked in epoll: asleep until it leaves
+    BG_WATCHING = 2      # the application is active: re-check after the grace period
+    BG_POLLING = 3       # blocked in epoll, progressing for an application that is away
+
+cdef enum:
+    FAULT_BAD_KEY = 1      # announce chunks with a forged remote key
+    FAULT_BAD_RANGE = 2    # announce chunks at an address past their region
+
+# Test-only stage faults (FABRIC_FAULT_INJECT=<action>@<stage>[:<n>]): this
+# Fabric's process dies (SIGKILL, no clean-up at all) or its endpoint sends a
+# garbage fabric message at the n-th time (default 1st) one of its endpoints
+# reaches the stage. tests/test_faults.py drives every pair on every backend.
+cdef enum:
+    FA_DIE = 1
+    FA_GARBAGE = 2
+
+cdef enum:
+    FS_HELLO = 1           # instead of sending HELLO
+    FS_RNDV = 2            # once a message's first RNDV announcement was posted
+    FS_PULL = 3            # once the first read of a message was issued (receiver)
+    FS_CHUNK_DONE = 4      # once a CHUNK_DONE was posted (receiver)
+    FS_BATCH = 5           # posting a coalesced batch of 3 or more frames (garbage: its 2nd frame)
+    FS_CLOSE = 6           # once CLOSE was posted
+
+FAULT_ACTIONS = {"die": FA_DIE, "garbage": FA_GARBAGE}
+FAULT_STAGES = {"hello": FS_HELLO, "rndv": FS_RNDV, "pull": FS_PULL, "chunk_done": FS_CHUNK_DONE,
+                "batch": FS_BATCH, "close": FS_CLOSE}
+
+cdef uint8_t GARBAGE[64]
+for _i in range(64):
+    GARBAGE[_i] = (0x5A ^ (_i * 37)) & 0xFF     # never a frame: bad magic at offset 0
+
+cdef extern from "<signal.h>" nogil:
+    int kill(int pid, int sig)
+    enum:
+        SIGKILL
+
+cdef uint32_t NO_CHUNK = 0xFFFFFFFFU
+cdef size_t NATIVE_CHUNK = 1 << 30
+cdef uint64_t WAKE_KEY = 0xFFFFFFFFFFFFFFFFU
+cdef uint64_t HUB_KEY = 0xFFFFFFFFFFFFFFFEU
+cdef double BG_GRACE = 0.001    # application idle this long before the thread polls
+
+
+ctypedef int (*pred_fn)(void* arg) noexcept nogil

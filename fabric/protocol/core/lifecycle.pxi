@@ -1,0 +1,324 @@
+# Part of fabric.protocol.engine (included by engine.pyx).
+#
+# Endpoint lifecycle: creation, handshake (HELLO), close (CLOSE), failure.
+# Owns: the state machine EP_HANDSHAKE -> EP_OPEN -> (EP_FAILED ->) EP_DEAD, and
+# listeners' pending handshakes (with their timeout).
+# Invariants: a failure is only marked (ep_fail, first reason wins); the
+# channel is closed and operations failed at a safe point (ep_settle), never in
+# the middle of parsing data that belongs to the channel; after ep_settle the
+# backend touches no memory of ours.
+
+cdef inline int ep_usable(ep_t* ep) noexcept nogil:
+    return ep.state == EP_OPEN or ep.state == EP_HANDSHAKE
+
+cdef void ep_fail(ep_t* ep, int err, const char* why) noexcept nogil:
+    """Mark the endpoint failed (first reason wins); ep_settle finishes it."""
+    if ep.state == EP_FAILED or ep.state == EP_DEAD:
+        return
+    ep.state = EP_FAILED
+    ep.err = err
+    snprintf(ep.error, 200, "%s", why)
+
+cdef void ep_channel_failed(ep_t* ep) noexcept nogil:
+    cdef int err = ep.ch.failed if ep.ch.failed else ECONNRESET
+    if ep.peer_closed:
+        # The peer said goodbye; its closing the connection is expected.
+        ep_fail(ep, ESHUTDOWN_, "connection closed by peer")
+    elif err == EPROTO:
+        ep_fail(ep, EPROTO, ep.ch.error)
+    else:
+        ep_fail(ep, ECONNRESET, ep.ch.error)
+
+cdef int on_hello(ep_t* ep, frame_t* f) noexcept nogil:
+    if ep.state != EP_HANDSHAKE:
+        ep_fail(ep, EPROTO, "peer repeated its HELLO")
+        return -1
+    if f.hello_max_recv < 1024 or f.hello_credits < CREDIT_RESERVE + 1:
+        ep_fail(ep, EPROTO, "peer offers too little receive space")
+        return -1
+    if f.hello_credits > 65536:
+        ep_fail(ep, EPROTO, "peer offers an implausible number of credits")
+        return -1
+    ep.caps = ep.ch.caps          # settled by now (a backend may narrow them while connecting)
+    ep.peer_credits = <int>f.hello_credits
+    ep.peer_max_recv = f.hello_max_recv
+    ep.peer_max_message = f.hello_max_message
+    ep.slab_cap = slab_size_for(&ep.w.opts, f.hello_max_recv)
+    ep.eager_limit = eager_limit_for(&ep.w.opts, ep.slab_cap)
+    ep.state = EP_OPEN
+    ep.opened = 1
+    return 0
+
+cdef void fail_op_list(ep_t* ep, sendop_t* op, int err) noexcept nogil:
+    cdef sendop_t* n
+    while op != NULL:
+        n = op.next
+        op_finish(ep, op, err)
+        op = n
+
+cdef void on_peer_close(ep_t* ep) noexcept nogil:
+    """The peer will receive nothing more: what we still want to send fails,
+    and we answer with our own CLOSE so its close() need not linger."""
+    ep.peer_closed = 1
+    if ep.ch != NULL:
+        ep.ch.peer_closed = 1
+    ep.pull_ahead = 1      # the peer waits to release its buffers: take its messages now
+    fail_op_list(ep, ep.sendq_head, ESHUTDOWN_)
+    ep.sendq_head = NULL
+    ep.sendq_tail = NULL
+    ep.close_requested = 1
+
+
+cdef void ep_settle(ep_t* ep) noexcept nogil:
+    """Finish a failed endpoint: close the channel (the backend then touches no
+    memory of ours), fail every operation, keep complete received messages."""
+    cdef slab_t* s
+    cdef inmsg_t* m
+    cdef inmsg_t* prev
+    cdef inmsg_t* n
+    cdef desc_t* d
+    cdef sendop_t* op
+    cdef int err
+    if ep.state != EP_FAILED:
+        return
+    ep.state = EP_DEAD
+    err = ep.err
+    touch(ep.w, &ep.node)
+    if ep.ch != NULL:
+        if ep.ch.fd >= 0:
+            epoll_ctl(ep.w.epfd, EPOLL_CTL_DEL, ep.ch.fd, NULL)
+        ep.ch.ops.close(ep.ch)   # releases every registration too
+        ep.ch = NULL
+    free_slab_list(ep.free_slabs)
+    free_slab_list(ep.open_data)
+    free_slab_list(ep.ready_head)
+    free_slab_list(ep.ctrl)
+    free_slab_list(ep.ctrl_ready_head)
+    free_slab_list(ep.inflight)
+    ep.free_slabs = ep.open_data = ep.ready_head = ep.ready_tail = NULL
+    ep.ctrl = ep.ctrl_ready_head = ep.ctrl_ready_tail = ep.inflight = NULL
+    fail_op_list(ep, ep.sendq_head, err)
+    fail_op_list(ep, ep.zc_out, err)
+    fail_op_list(ep, ep.rndv_out, err)
+    ep.sendq_head = ep.sendq_tail = ep.zc_out = ep.rndv_out = NULL
+    # Incomplete rendezvous messages are lost with the connection; complete
+    # messages before the first incomplete one stay receivable, in order.
+    while ep.rndv_in != NULL:
+        m = ep.rndv_in
+        ep.rndv_in = m.rnext
+        m.in_rndv = 0
+        while m.descs != NULL:
+            d = m.descs
+            m.descs = d.next
+            free(d)
+        m.reads = 0
+        m.dst_registered = 0
+    if ep.posted.msg != NULL and ep.posted.msg.received < ep.posted.msg.total:
+        ep.posted.msg = NULL
+        ep.posted.done = 1
+        ep.posted.err = err
+    prev = NULL
+    m = ep.inq_head
+    while m != NULL and not (m.rndv and m.received < m.total):
+        prev = m
+        m = m.next
+    if m != NULL:
+        if prev == NULL:
+            ep.inq_head = NULL
+        else:
+            prev.next = NULL
+        ep.inq_tail = prev
+        while m != NULL:
+            n = m.next
+            m.in_inq = 0
+            ep.inbuf_bytes -= m.charge
+            inmsg_maybe_free(m)
+            m = n
+    ep_deliver(ep)
+cdef void send_hello(ep_t* ep) noexcept nogil:
+    cdef iovec v
+    cdef int rc
+    cdef size_t max_recv = ep.ch.max_recv
+    if ep.w.opts.fault_stage == FS_HELLO and fault_fires(ep, FS_HELLO):
+        send_garbage(ep)          # instead of HELLO
+        return
+    put_hello(ep.hello, <uint32_t>max_recv, ep.w.opts.credits, ep.w.opts.max_message)
+    v.iov_base = ep.hello
+    v.iov_len = FRAME_HEADER + HELLO_BODY
+    if not (ep.ch.caps & FAB_CAP_SEND_ANY_MEMORY):
+        ep.hello_mr = <fab_mr*>calloc(1, sizeof(fab_mr))
+        if ep.hello_mr == NULL or ep.ch.ops.reg(ep.ch, ep.hello, sizeof(ep.hello), ep.hello_mr) < 0:
+            ep_fail(ep, ENOMEM, "cannot register the handshake buffer")
+            return
+        ep.own_regions += 1
+    rc = ep.ch.ops.send(ep.ch, &v, &ep.hello_mr if ep.hello_mr != NULL else NULL, 1, 0)
+    if rc == FAB_PENDING:
+        ep.pending_sends += 1
+    elif rc < 0:
+        ep_channel_failed(ep)
+
+cdef ep_t* ep_create(worker_t* w, fab_channel* ch) noexcept nogil:
+    """A new endpoint in HANDSHAKE state on a connected channel; sends HELLO.
+    Takes ownership of ch (closes it on failure)."""
+    cdef ep_t* ep = <ep_t*>calloc(1, sizeof(ep_t))
+    if ep == NULL:
+        ch.ops.close(ch)
+        return NULL
+    ep.node.kind = KIND_EP
+    ep.w = w
+    ep.ch = ch
+    ep.caps = ch.caps
+    memcpy(ep.local_name, ch.local_name, 64)
+    memcpy(ep.peer_name, ch.peer_name, 64)
+    ep.local_name[63] = 0
+    ep.peer_name[63] = 0
+    ep.dirty.obj = ep
+    ep.runnable.obj = ep
+    ch.owner = ep
+    ep.state = EP_HANDSHAKE
+    ep.next_in_id = 1
+    ep.armed = EPOLLIN
+    # until the application shows it takes large messages with recv_into(),
+    # pull them into our memory as they come (within recv_budget): a thread
+    # that sends before it receives must not wait for itself
+    ep.pull_ahead = 1
+    if node_register(w, &ep.node, ch.fd, EPOLLIN) == 0:
+        ch.owner = NULL
+        ch.ops.close(ch)
+        free(ep)
+        return NULL
+    q_add(&w.dirty, &ep.dirty)
+    send_hello(ep)
+    return ep
+
+cdef void ep_close(ep_t* ep) noexcept nogil:
+    """Close locally (lock held): fail what is pending, release the channel
+    and the messages. The struct stays valid (threads may still be inside a
+    call on it) until ep_free."""
+    if ep.closed:
+        return
+    ep.closed = 1
+    if ep.state != EP_DEAD:
+        ep_fail(ep, ESHUTDOWN_, "endpoint closed")
+        ep_settle(ep)
+    touch(ep.w, &ep.node)
+    node_unregister(ep.w, &ep.node)
+    q_remove(&ep.w.dirty, &ep.dirty)
+    q_remove(&ep.w.runnable, &ep.runnable)
+    if not ep.posted.active:
+        while ep.inq_head != NULL:
+            inq_pop(ep)
+    worker_kick(ep.w)
+
+cdef void ep_free(ep_t* ep) noexcept nogil:
+    """Close and free (lock held); nobody may reference ep afterwards."""
+    ep_close(ep)
+    q_remove(&ep.w.touched, &ep.node.touched)
+    while ep.inq_head != NULL:
+        inq_pop(ep)
+    if ep.posted.result != NULL:
+        free(ep.posted.result)
+    free(ep.stash_data)
+    free(ep.hello_mr)
+    free(ep)
+
+cdef uint32_t our_max_recv(worker_t* w) noexcept nogil:
+    """The largest fabric message we accept: our own slab size."""
+    return <uint32_t>slab_size_for(&w.opts, 0xFFFFFFFFU)
+
+cdef void progress_listener(lst_t* l) noexcept nogil:
+    cdef fab_channel* ch
+    cdef ep_t* ep
+    cdef int rc
+    if l.closed:
+        return
+    while not l.closed and l.npending < MAX_PENDING_HANDSHAKES:
+        rc = l.fl.accept(l.fl, our_max_recv(l.w), &ch)
+        if rc != 0:
+            break
+        ep = ep_create(l.w, ch)
+        if ep == NULL:
+            continue
+        ep.listener = l
+        ep.hs_deadline = monotonic_now() + l.w.opts.handshake_timeout
+        ep.lst_next = l.pending
+        l.pending = ep
+        l.npending += 1
+        progress_ep(ep)
+    listener_sweep(l)
+
+cdef void listener_sweep(lst_t* l) noexcept nogil:
+    """Move finished handshakes to the ready queue; drop failed or expired
+    ones (garbage, slow or vanished clients never reach accept()). A
+    connection that failed after its handshake is still handed out, like
+    an accepted socket that was reset: what its peer sent before stays
+    receivable, then the error."""
+    cdef ep_t** p = &l.pending
+    cdef ep_t* ep
+    cdef double now = monotonic_now()
+    while p[0] != NULL:
+        ep = p[0]
+        if ep.state == EP_HANDSHAKE and now > ep.hs_deadline:
+            ep_fail(ep, ETIMEDOUT, "handshake timed out")
+            ep_settle(ep)
+        if ep.state == EP_HANDSHAKE:
+            p = &ep.lst_next
+            continue
+        p[0] = ep.lst_next
+        l.npending -= 1
+        ep.lst_next = NULL
+        if ep.opened:
+            ep_settle(ep)
+            if l.ready_tail == NULL:
+                l.ready_head = ep
+            else:
+                l.ready_tail.lst_next = ep
+            l.ready_tail = ep
+            touch(l.w, &l.node)
+        else:
+            ep.listener = NULL
+            ep_free(ep)
+
+cdef double next_handshake_deadline(worker_t* w) noexcept nogil:
+    """The earliest handshake deadline of any listener (-1: none), so a
+    blocked waiter wakes to expire a handshake nobody finishes."""
+    cdef uint32_t i
+    cdef lst_t* l
+    cdef ep_t* ep
+    cdef double best = -1.0
+    for i in range(w.nslots):
+        if w.slots[i] == NULL or w.slots[i].kind != KIND_LST:
+            continue
+        l = <lst_t*>w.slots[i]
+        ep = l.pending
+        while ep != NULL:
+            if best < 0 or ep.hs_deadline < best:
+                best = ep.hs_deadline
+            ep = ep.lst_next
+    return best
+
+cdef void listener_close(lst_t* l) noexcept nogil:
+    """Stop accepting (lock held; idempotent). The struct stays valid, because
+    another thread may be inside accept(); Listener.__dealloc__ frees it."""
+    cdef ep_t* ep
+    if l.closed:
+        return
+    l.closed = 1
+    while l.pending != NULL:
+        ep = l.pending
+        l.pending = ep.lst_next
+        ep.listener = NULL
+        ep_free(ep)
+    while l.ready_head != NULL:
+        ep = l.ready_head
+        l.ready_head = ep.lst_next
+        ep.listener = NULL
+        ep_free(ep)
+    l.ready_tail = NULL
+    touch(l.w, &l.node)
+    if l.fl.fd >= 0:
+        epoll_ctl(l.w.epfd, EPOLL_CTL_DEL, l.fl.fd, NULL)
+    node_unregister(l.w, &l.node)
+    l.fl.close(l.fl)
+    l.fl = NULL
+    worker_kick(l.w)
