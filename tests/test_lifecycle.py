@@ -206,7 +206,7 @@ def test_closed_connections_hand_their_ucx_endpoints_back(backend_name):
         for c, s in pairs:
             c.close()
             s.close()
-        # an endpoint whose peer vanished first waits for UCX's report of it
+        # (a forced close may complete in UCX's next progress)
         deadline = time.monotonic() + 10
         while (any(f._worker.domain.endpoints != (0, 0) for f in (client_fab, server_fab))
                and time.monotonic() < deadline):

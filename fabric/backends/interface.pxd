@@ -143,8 +143,6 @@ cdef struct fab_channel:
                                    # receives: recv_depth_for(options); a stream ignores it
     int send_depth                 # pending sends after which the engine holds (and coalesces)
     int failed
-    int peer_closed                # set by the engine: the peer sent CLOSE (its going away
-                                   # next is deliberate, not a failure)
     uint64_t activity              # bumped whenever bytes move; waits keep spinning while it changes
     int64_t live_regions           # registrations not yet deregistered (leak checks)
     char error[FAB_ERROR_TEXT]

@@ -19,8 +19,7 @@ thousand of them cost a thousand sockets, not a thousand epoll sets.
 Closing never waits for UCX: requests a forced ucp_ep_close cannot cancel
 at once (shared memory cannot report a dead peer, so its rendezvous sends
 stay pending) keep the channel as a zombie of the domain until they complete
-or the domain goes. So does the endpoint of a peer that vanished before UCX
-reported it (closing it then races UCX's own failure handling).
+or the domain goes.
 
 Bootstrap message, each way, little-endian:
     "FUCX" | u16 version 2 | u16 flags | u64 channel key | u32 address length | address
@@ -124,8 +123,6 @@ cdef extern from "ucx_shim.h" nogil:
     const char* ucs_status_string(ucs_status_t status)
 
 cdef double CLOSE_GRACE = 0.02    # seconds close() lets a live peer's cancellations complete
-cdef double FAILURE_GRACE = 1.0   # seconds a dead peer's endpoint waits for UCX's report (checked
-                                  # when the domain next progresses)
 
 cdef enum:
     BOOT_MAGIC = 0x58435546      # "FUCX"
@@ -206,7 +203,6 @@ cdef struct ucx_chan:
     int ep_failed
     int ep_peer_mode           # the UCP endpoint was made with error mode PEER
     int peer_gone
-    double ep_close_at         # a closed channel's endpoint is closed by then at the latest
     uint32_t polls
     # bootstrap
     char* bout
@@ -436,18 +432,11 @@ cdef void close_endpoint(ucx_chan* ch) noexcept nogil:
     ch.dom.eps_open -= 1
     ch.ep = NULL
 
-cdef void maybe_close_endpoint(ucx_chan* ch) noexcept nogil:
-    """A closed channel's endpoint held back for UCX's error report (see
-    ucx_close) goes once UCX made the report, or at ep_close_at."""
-    if ch.ep != NULL and (ch.ep_failed or ch.dom.closing or monotonic_now() >= ch.ep_close_at):
-        close_endpoint(ch)
-
 cdef void maybe_free_channel(ucx_chan* ch) noexcept nogil:
     """A closed channel goes once UCX no longer holds requests naming it."""
     cdef uint32_t i
     cdef ucx_domain* d = ch.dom
-    if (not ch.closed or not ch.released or ch.ep != NULL or ch.reqs != NULL
-            or close_pending(ch)):
+    if not ch.closed or not ch.released or ch.reqs != NULL or close_pending(ch):
         return
     if ch.is_zombie:
         if ch.zombie_prev != NULL:
@@ -468,7 +457,6 @@ cdef void sweep_zombies(ucx_domain* d) noexcept nogil:
     cdef ucx_chan* nxt
     while ch != NULL:
         nxt = ch.zombie_next
-        maybe_close_endpoint(ch)
         maybe_free_channel(ch)
         ch = nxt
 
@@ -479,7 +467,6 @@ cdef void destroy_zombies(ucx_domain* d) noexcept nogil:
     cdef ucx_req* r
     while d.zombies != NULL:
         ch = d.zombies
-        close_endpoint(ch)
         while ch.reqs != NULL:
             r = ch.reqs
             req_untrack(ch, r)
@@ -1029,17 +1016,7 @@ cdef void ucx_close(fab_channel* fch) noexcept nogil:
     hub_unready(&d.hub, fch)
     if (ch.key & 0xFFFFFFFFU) < d.nchans and d.chans[ch.key & 0xFFFFFFFFU] == ch:
         d.chans[ch.key & 0xFFFFFFFFU] = NULL
-    if (ch.ep_peer_mode and ch.peer_gone and not fch.peer_closed and not ch.ep_failed
-            and not d.closing):
-        # The peer vanished without a CLOSE (it died) and UCX has not said so
-        # yet. Forcing the close now races UCX's own handling of the dying
-        # connection (over tcp, UCX 1.22 frees a lane's transport endpoint it
-        # is still discarding: a crash inside ucp_worker_progress). Keep the
-        # endpoint until UCX's error report (within milliseconds, as its
-        # sockets end too), then close it (as a zombie).
-        ch.ep_close_at = monotonic_now() + FAILURE_GRACE
-    else:
-        close_endpoint(ch)
+    close_endpoint(ch)
     # Cancelled requests of a live peer complete within a few progress
     # rounds; a peer that is gone may never let them: do not wait for it.
     if not (ch.peer_gone or ch.ep_failed or d.closing):
@@ -1075,7 +1052,7 @@ cdef void ucx_close(fab_channel* fch) noexcept nogil:
     ch.sock = -1
     fch.fd = -1
     ch.released = 1
-    if ch.ep != NULL or ch.reqs != NULL or close_pending(ch):
+    if ch.reqs != NULL or close_pending(ch):
         ch.is_zombie = 1
         ch.zombie_prev = NULL
         ch.zombie_next = d.zombies

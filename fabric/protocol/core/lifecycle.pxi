@@ -60,8 +60,6 @@ cdef void on_peer_close(ep_t* ep) noexcept nogil:
     """The peer will receive nothing more: what we still want to send fails,
     and we answer with our own CLOSE so its close() need not linger."""
     ep.peer_closed = 1
-    if ep.ch != NULL:
-        ep.ch.peer_closed = 1
     ep.pull_ahead = 1      # the peer waits to release its buffers: take its messages now
     fail_op_list(ep, ep.sendq_head, ESHUTDOWN_)
     ep.sendq_head = NULL
