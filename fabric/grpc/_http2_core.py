@@ -213,7 +213,11 @@ class ConnectionCore:
         if self.dead is not None or self.goaway_started is not None:
             return
         self.goaway_started = self._now()
-        if self._send_goaway(LAST_STREAM_ID):
+        if not self.fast_data:
+            # plain h2 sends nothing after a GOAWAY (not even the PING): one
+            # GOAWAY, naming the last stream we have now
+            self._goaway_finish()
+        elif self._send_goaway(LAST_STREAM_ID):
             self.h2.ping(GOAWAY_PING)
             self._write_h2()
         if self.keepalive is not None:
