@@ -473,7 +473,8 @@ class AioConnection(ConnectionCore):
             n = min(room - head, view.nbytes)
             _h2_fast.charge_data_sent(self.h2, call.id, head + n)
             self._flush()                              # what h2 had queued goes first
-            self.transport.write(_h2_fast.frame_header(head + n, _h2_fast.DATA, 0, call.id) + (prefix if first else b""))
+            header = _h2_fast.frame_header(head + n, _h2_fast.DATA, 0, call.id)
+            self.transport.write(header + (prefix if first else b""))
             if n:
                 self.transport.write_own(view[:n])
             self.counters["fast_data_frames_sent"] += 1

@@ -449,7 +449,8 @@ class Connection(ConnectionCore):
                     length = head + n
                     _h2_fast.charge_data_sent(self.h2, call.id, length)
                     self._queue()                     # anything h2 had queued goes first
-                    self.pending.append(_h2_fast.frame_header(length, _h2_fast.DATA, 0, call.id) + (prefix if first else b""))
+                    header = _h2_fast.frame_header(length, _h2_fast.DATA, 0, call.id)
+                    self.pending.append(header + (prefix if first else b""))
                     self.counters["fast_data_frames_sent"] += 1
                     if n:
                         self.pending.append(_Own(view[:n], detached))
