@@ -97,6 +97,7 @@ def test_the_probe_refuses_other_versions_and_missing_internals(monkeypatch):
     import h2.connection
     import h2.stream
     from hyperframe.frame import DataFrame
+    monkeypatch.delenv("FABRIC_GRPC_PLAIN_H2", raising=False)
     assert _h2_fast._probe() is None
     with monkeypatch.context() as m:
         m.setattr(h2, "__version__", "5.0.0")
