@@ -6,7 +6,8 @@ hpack 4.2.0). The internals used:
 - H2Connection._frame_dispatch_table (h2 routes received frames by their
   exact class): one connection's own table gets a cheap-repr DataFrame
   subclass and a hook after GOAWAY; H2Connection.incoming_buffer (an
-  h2.frame_buffer.FrameBuffer) is replaced by a subclass for that connection.
+  h2.frame_buffer.FrameBuffer, still empty: its _data) is replaced by a
+  subclass for that connection.
 - hyperframe's DataFrame._body_repr and serialize_padding_data (the repr
   the subclass reproduces).
 - H2Connection.state_machine (ConnectionInputs.SEND_DATA / RECV_DATA,
@@ -93,8 +94,9 @@ def _probe() -> str | None:
     table = getattr(conn, "_frame_dispatch_table", None)
     if not isinstance(table, dict) or DataFrame not in table or GoAwayFrame not in table:
         return "H2Connection._frame_dispatch_table is not a dict keyed by frame class"
-    if type(getattr(conn, "incoming_buffer", None)) is not FrameBuffer:
-        return "H2Connection.incoming_buffer is not a FrameBuffer"
+    buffer = getattr(conn, "incoming_buffer", None)
+    if type(buffer) is not FrameBuffer or not hasattr(buffer, "_data") or not hasattr(buffer, "max_frame_size"):
+        return "H2Connection.incoming_buffer is not a FrameBuffer with _data and max_frame_size"
     for name in ("state_machine", "_get_stream_by_id", "_inbound_flow_control_window_manager",
                  "encoder", "decoder"):
         if not hasattr(conn, name):
