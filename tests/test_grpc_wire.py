@@ -167,7 +167,7 @@ def test_cheap_frame_reprs_print_what_hyperframe_printed():
     import h2.config
     import h2.connection
     from hyperframe import frame as hf
-    from fabric.grpc import _http2
+    from fabric.grpc import _h2_fast
 
     def original(f):
         body = f.serialize_body()
@@ -184,10 +184,10 @@ def test_cheap_frame_reprs_print_what_hyperframe_printed():
             if pad is not None:
                 f.flags.add("PADDED")
                 f.pad_length = pad
-            assert _http2._cheap_data_repr(f) == original(f) == f._body_repr()
+            assert _h2_fast.cheap_data_repr(f) == original(f) == f._body_repr()
     # the frames of a fabric connection's buffer: same repr, cheap class
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    _http2.install_cheap_frame_buffer(conn)
+    _h2_fast.install_cheap_frame_buffer(conn)
     frame = hf.DataFrame(1, data=b"x" * 5000)
     conn.incoming_buffer.max_frame_size = 16384
     conn.incoming_buffer.add_data(frame.serialize())
@@ -196,7 +196,7 @@ def test_cheap_frame_reprs_print_what_hyperframe_printed():
     assert repr(received) == repr(frame) and received.data == frame.data
 
 
-# -- remembered HPACK work (fabric.grpc._http2._MemoHpack)
+# -- remembered HPACK work (fabric.grpc._h2_fast.MemoHpack)
 
 HEADER_SETS = [
     [(b":method", b"POST"), (b":path", b"/svc/Echo"), (b"content-type", b"application/grpc")],
@@ -220,7 +220,7 @@ def test_memoized_hpack_produces_what_hpack_produces(steps):
     changes made between blocks, which desynchronizes a decoder when the
     first one shrank the table.)"""
     import hpack
-    from fabric.grpc._http2 import _MemoHpack
+    from fabric.grpc._h2_fast import MemoHpack as _MemoHpack
     plain_enc, memo_enc = hpack.Encoder(), _MemoHpack(hpack.Encoder(), "encode")
     plain_dec, memo_dec = hpack.Decoder(), _MemoHpack(hpack.Decoder(), "decode")
     for resize, index in steps:
@@ -237,7 +237,7 @@ def test_memoized_hpack_produces_what_hpack_produces(steps):
 
 def test_memoized_hpack_reuses_repeated_blocks_and_passes_sensitive_ones_through():
     import hpack
-    from fabric.grpc._http2 import _MemoHpack
+    from fabric.grpc._h2_fast import MemoHpack as _MemoHpack
     enc = _MemoHpack(hpack.Encoder(), "encode")
     first = enc.encode(list(HEADER_SETS[0]))          # adds to the table
     second = enc.encode(list(HEADER_SETS[0]))         # indexed: leaves the table alone
@@ -274,8 +274,8 @@ def test_cheap_frame_buffer_stays_out_without_the_h2_internals_it_needs():
     import h2.config
     import h2.connection
     from h2.frame_buffer import FrameBuffer
-    from fabric.grpc import _http2
+    from fabric.grpc import _h2_fast
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     del conn._frame_dispatch_table            # as if another h2 had no such table
-    _http2.install_cheap_frame_buffer(conn)
+    _h2_fast.install_cheap_frame_buffer(conn)
     assert type(conn.incoming_buffer) is FrameBuffer

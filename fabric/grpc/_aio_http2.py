@@ -11,27 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import struct
 
-import grpc
-import h2.config
-import h2.connection
 import h2.errors
-import h2.events
 import h2.exceptions
-import h2.settings
 
 from fabric import errors
-from fabric.grpc import _http2, _keepalive, _tls, _wire
-from fabric.grpc._http2 import (CONNECTION_WINDOW, MAX_CONCURRENT_STREAMS, MAX_FRAME, MAX_HEADER_LIST,
-                                PROMPT_WINDOW_UPDATE, QUEUED_HIGH_WATER, STREAM_WINDOW, ConnectionFailed,
-                                DATA, END_STREAM_FLAG, FAST_DATA_MIN, GOAWAY_ACK_WAIT, GOAWAY_PING, LINGER,
-                                PADDED_FLAG, charge_data_received, charge_data_sent, fast_data_supported,
-                                frame_header, parse_frame_header, _encoding_header, _MemoHpack,
-                                keep_streams_open_on_goaway, reopen_after_goaway)
+from fabric.grpc import _h2_fast, _keepalive, _tls, _wire
+from fabric.grpc._http2_core import (LINGER, QUEUED_HIGH_WATER, SMALL_MESSAGE, ConnectionCore,
+                                     ConnectionFailed)
 
 READ_SIZE = 1 << 20
-SMALL_MESSAGE = 64 << 10            # up to this, prefix and message go out as one DATA frame
 WRITE_HIGH_WATER = 4 << 20          # bytes queued for a fabric stream before senders wait
 
 
@@ -319,50 +308,19 @@ class AioStream:
         return msg
 
 
-class AioConnection:
+class AioConnection(ConnectionCore):
     def __init__(self, transport, client_side: bool, max_receive: int = _wire.DEFAULT_MAX_RECEIVE,
                  on_request=None, on_close=None, trusted_peer: bool = False,
                  keepalive: _keepalive.Settings | None = None):
         self.loop = asyncio.get_running_loop()
         self.transport = transport
-        self.client_side = client_side
-        self.max_receive = max_receive
-        self.on_request = on_request
-        self.on_close = on_close
-        self.calls: dict[int, AioStream] = {}
-        self.dead = None
-        self.goaway_last_stream = None      # the peer's GOAWAY: streams above it will not be served
-        self.goaway_sent_last = None        # ours: streams above it are refused
-        self.goaway_started = None          # when our first GOAWAY left
-        self.keepalive = None if keepalive is None else _keepalive.Keepalive(keepalive, self.loop.time())
         self._tick_handle = None
         self.window_signal = _Signal()
-        config = h2.config.H2Configuration(client_side=client_side, header_encoding=None,
-                                           validate_outbound_headers=False,
-                                           normalize_outbound_headers=False,
-                                           validate_inbound_headers=not trusted_peer)
-        self.h2 = h2.connection.H2Connection(config)
-        _http2.install_cheap_frame_buffer(self.h2)
-        self.fast_data = fast_data_supported(self.h2)
-        self.counters = {"fast_data_frames_sent": 0, "fast_data_frames_received": 0}
-        keep_streams_open_on_goaway(self.h2)
-        self.h2.encoder = _MemoHpack(self.h2.encoder, "encode")
-        self.h2.decoder = _MemoHpack(self.h2.decoder, "decode")
-        codes = h2.settings.SettingCodes
-        values = {codes.INITIAL_WINDOW_SIZE: STREAM_WINDOW, codes.MAX_FRAME_SIZE: MAX_FRAME,
-                  codes.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS,
-                  codes.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST}
-        if client_side:
-            values[codes.ENABLE_PUSH] = 0
-        self.h2.local_settings = h2.settings.Settings(client=client_side, initial_values=values)
-        self.h2.max_inbound_frame_size = MAX_FRAME
-        self.h2.incoming_buffer.max_frame_size = MAX_FRAME
-        self.h2.initiate_connection()
-        self.h2.increment_flow_control_window(CONNECTION_WINDOW - 65535)
-        self._flush()
+        self._init_core(client_side, max_receive, on_request, on_close, trusted_peer, keepalive)
+        self._start_h2()
         self.reader = self.loop.create_task(self._read_loop())
         if self.keepalive is not None and keepalive.needs_timer:
-            self._tick_handle = self.loop.call_later(0.05, self._keepalive_tick)
+            self._schedule_tick(self.loop.time() + 0.05)
 
     # ------------------------------------------------------------ keepalive and lifetime
     def _keepalive_tick(self):
@@ -371,10 +329,7 @@ class AioConnection:
             return
         now = self.loop.time()
         ka = self.keepalive
-        if self.goaway_started is not None and self.goaway_sent_last is None and \
-                now >= self.goaway_started + GOAWAY_ACK_WAIT:
-            self._goaway_finish()                 # no ACK for our GOAWAY's PING: finish anyway
-        action, next_at = ka.tick(now, len(self.calls))
+        action, next_at = self._keepalive_due(now)
         if action == _keepalive.FAIL:
             self._fail(f"keepalive watchdog timeout: no PING ACK within {ka.settings.timeout:g} s")
             return
@@ -387,52 +342,39 @@ class AioConnection:
             else:
                 self.loop.call_later(LINGER, self._fail, reason)
             return
-        if action == _keepalive.PING:
-            self.h2.ping(struct.pack(">d", now))
-            ka.ping_sent(now)
-        elif action == _keepalive.GOAWAY:
-            self.go_away()
-        if self.goaway_started is not None and self.goaway_sent_last is None:
-            next_at = min(next_at or now + 0.1, now + 0.1)
         self._flush()
         if next_at is not None:
-            self._tick_handle = self.loop.call_at(next_at, self._keepalive_tick)
+            self._schedule_tick(next_at)
+
+    def _schedule_tick(self, when) -> None:
+        """The next tick replaces any scheduled one."""
+        if self._tick_handle is not None:
+            self._tick_handle.cancel()
+        self._tick_handle = self.loop.call_at(when, self._keepalive_tick)
 
     def go_away(self) -> None:
-        """(server) GOAWAY: the open calls finish, new ones go elsewhere; in
-        two steps as fabric.grpc._http2.Connection._goaway_begin explains."""
-        if self.dead is not None or self.goaway_started is not None:
-            return
-        self.goaway_started = self.loop.time()
-        if self._send_goaway(2 ** 31 - 1):
-            self.h2.ping(GOAWAY_PING)
-            self._flush()
-        if self.keepalive is not None:
-            if self._tick_handle is not None:
-                self._tick_handle.cancel()
-            self._tick_handle = self.loop.call_later(0.1, self._keepalive_tick)     # drain, and the ACK's wait
+        """(server) GOAWAY: the open calls finish, new ones go elsewhere (in
+        two steps: ConnectionCore._goaway_begin)."""
+        self._goaway_begin()
 
-    def _goaway_finish(self) -> None:
-        if self.goaway_sent_last is not None or self.dead is not None:
-            return
-        last = self.h2.highest_inbound_stream_id
-        if self._send_goaway(last):
-            self.goaway_sent_last = last
-            if self.keepalive is not None:
-                self.keepalive.goaway_sent(self.loop.time())
+    # ------------------------------------------------------------ what ConnectionCore needs
+    def _now(self) -> float:
+        return self.loop.time()
 
-    def _send_goaway(self, last_stream_id) -> bool:
-        try:
-            self.h2.close_connection(last_stream_id=last_stream_id)
-        except h2.exceptions.ProtocolError:
-            return False
+    def _write_h2(self) -> None:
         self._flush()
-        reopen_after_goaway(self.h2)
-        return True
 
-    def _sent_frames(self):
-        if self.keepalive is not None:
-            self.keepalive.frames_sent()
+    def _new_call(self, stream_id: int) -> "AioStream":
+        return AioStream(self, stream_id, self.max_receive)
+
+    def _wake(self, call) -> None:
+        call.signal.notify()
+
+    def _wake_window_waiters(self) -> None:
+        self.window_signal.notify()
+
+    def _after_read(self, later, fn) -> None:
+        self.loop.call_soon(fn)
 
     # ------------------------------------------------------------ writing
     def _flush(self) -> None:
@@ -440,24 +382,11 @@ class AioConnection:
         if data:
             self.transport.write(data)
 
-    def _check_call(self, call: AioStream):
-        if self.dead is not None:
-            raise ConnectionFailed(self.dead)
-        if self.h2.state_machine.state == h2.connection.ConnectionState.CLOSED:
-            raise ConnectionFailed("the connection is closing")
-        if call.peer_done:
-            raise ConnectionFailed(f"stream {call.id} was ended by the peer")
-        if call.reset_code is not None:
-            raise ConnectionFailed(f"stream {call.id} was reset ({call.reset_code})")
-        if call.local_closed:
-            raise ConnectionFailed(f"stream {call.id} is already closed for sending")
-
     async def open_call(self, headers, end_stream: bool = False, deadline=None) -> AioStream:
         while True:
             if self.dead is not None:
                 raise ConnectionFailed(self.dead)
-            if self.goaway_last_stream is not None or \
-                    self.h2.state_machine.state == h2.connection.ConnectionState.CLOSED:
+            if self.goaway_last_stream is not None or self._h2_closed():
                 raise ConnectionFailed("the server is going away (GOAWAY)")
             if self.h2.open_outbound_streams < self.h2.remote_settings.max_concurrent_streams:
                 break
@@ -492,7 +421,7 @@ class AioConnection:
             packed = _wire.compress(view, encoding)
             if len(packed) < view.nbytes:
                 view, compressed = memoryview(packed), True
-        if view.nbytes >= FAST_DATA_MIN and self.fast_data:
+        if view.nbytes >= _h2_fast.FAST_DATA_MIN and self.fast_data:
             await self._send_large(call, view, end_stream, deadline, compressed,
                                    detached=type(payload) is bytes or compressed)
             return
@@ -542,9 +471,10 @@ class AioConnection:
                 await self.window_signal.wait(self.loop, deadline)
                 continue
             n = min(room - head, view.nbytes)
-            charge_data_sent(self.h2, call.id, head + n)
+            _h2_fast.charge_data_sent(self.h2, call.id, head + n)
             self._flush()                              # what h2 had queued goes first
-            self.transport.write(frame_header(head + n, DATA, 0, call.id) + (prefix if first else b""))
+            header = _h2_fast.frame_header(head + n, _h2_fast.DATA, 0, call.id)
+            self.transport.write(header + (prefix if first else b""))
             if n:
                 self.transport.write_own(view[:n])
             self.counters["fast_data_frames_sent"] += 1
@@ -580,23 +510,6 @@ class AioConnection:
         if self.client_side and self.goaway_last_stream is not None and not self.calls and self.dead is None:
             self._fail("the server went away (GOAWAY) and no call was left")
 
-    def _ack(self, call: AioStream) -> None:
-        n, call.unacked = call.unacked, 0
-        if not n or self.dead is not None:
-            return
-        if n >= PROMPT_WINDOW_UPDATE:
-            self.h2.increment_flow_control_window(n)
-            try:
-                self.h2.increment_flow_control_window(n, stream_id=call.id)
-            except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError,
-                    h2.exceptions.FlowControlError):
-                pass
-        else:
-            try:
-                self.h2.acknowledge_received_data(n, call.id)
-            except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
-                pass
-
     # ------------------------------------------------------------ reading
     def _closed_by_peer(self):
         why = getattr(self.transport, "read_error", None)
@@ -612,7 +525,7 @@ class AioConnection:
             self._fail(f"HTTP/2 protocol error from the peer: {e}")
             return False
         for ev in events:
-            self._handle(ev)
+            self._handle(ev, None)
         self._flush()
         return self.dead is None
 
@@ -656,9 +569,8 @@ class AioConnection:
                 buf, preface = buf[preface:], 0
             to_h2 = []
             while len(buf) >= 9:
-                length, ftype, flags, sid = parse_frame_header(buf)
-                if (ftype == DATA and length >= FAST_DATA_MIN and not flags & (PADDED_FLAG | END_STREAM_FLAG)
-                        and length <= self.h2.max_inbound_frame_size):
+                length, ftype, flags, sid = _h2_fast.parse_frame_header(buf)
+                if _h2_fast.is_fast_data(self.h2, length, ftype, flags):
                     if to_h2:                            # the HEADERS that open this call may be among them
                         if not self._feed(b"".join(to_h2)):
                             return
@@ -682,7 +594,7 @@ class AioConnection:
         message buffer where it can). What is left of the current read, or
         None once the connection is dead."""
         try:
-            charge_data_received(self.h2, call.id, length)
+            _h2_fast.charge_data_received(self.h2, call.id, length)
         except (h2.exceptions.ProtocolError, h2.exceptions.StreamClosedError) as e:
             self._flush()
             self._fail(f"HTTP/2 protocol error from the peer: {e!r}")
@@ -715,12 +627,7 @@ class AioConnection:
                 rest = memoryview(more).cast("B")
         except _wire.WireError as e:
             failure = e
-        call.unacked += length
-        if failure is not None and call.failure is None:
-            call.failure = failure
-        if call.queued_bytes <= QUEUED_HIGH_WATER:
-            self._ack(call)
-        self._notify(call)
+        self._fast_data_taken(call, length, failure, None)
         if failure is not None:
             if self.client_side:
                 self.reset(call, h2.errors.ErrorCodes.CANCEL)
@@ -741,108 +648,6 @@ class AioConnection:
         for msg in messages:
             call.messages.append(msg)
             call.queued_bytes += len(msg)
-
-    def _notify(self, call: AioStream):
-        call.signal.notify()
-        if call.on_event is not None:
-            call.on_event(call)
-
-    def _handle(self, ev):
-        E = h2.events
-        if isinstance(ev, E.DataReceived):
-            call = self.calls.get(ev.stream_id)
-            if call is None or call.failure is not None:
-                if ev.flow_controlled_length:
-                    try:
-                        self.h2.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
-                    except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
-                        pass
-                return
-            call.unacked += ev.flow_controlled_length
-            try:
-                for msg in call.assembler.feed(ev.data):
-                    call.messages.append(msg)
-                    call.queued_bytes += len(msg)
-            except _wire.WireError as e:
-                call.failure = e
-                if self.client_side:
-                    self.reset(call, h2.errors.ErrorCodes.CANCEL)
-            if call.queued_bytes <= QUEUED_HIGH_WATER:
-                self._ack(call)
-            self._notify(call)
-        elif isinstance(ev, E.RequestReceived):
-            if self.goaway_sent_last is not None and ev.stream_id > self.goaway_sent_last:
-                try:                              # after our GOAWAY: the client retries elsewhere
-                    self.h2.reset_stream(ev.stream_id, error_code=h2.errors.ErrorCodes.REFUSED_STREAM)
-                except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
-                    pass
-                return
-            call = AioStream(self, ev.stream_id, self.max_receive)
-            call.headers = ev.headers
-            call.assembler.encoding = _encoding_header(ev.headers)
-            self.calls[ev.stream_id] = call
-            if ev.stream_ended is not None:
-                call.ended = True
-            if self.on_request is not None:
-                self.on_request(self, call)
-        elif isinstance(ev, E.ResponseReceived):
-            call = self.calls.get(ev.stream_id)
-            if call is not None:
-                call.headers = ev.headers
-                call.assembler.encoding = _encoding_header(ev.headers)
-                self._notify(call)
-        elif isinstance(ev, E.TrailersReceived):
-            call = self.calls.get(ev.stream_id)
-            if call is not None:
-                call.trailers = ev.headers
-                self._notify(call)
-        elif isinstance(ev, E.StreamEnded):
-            call = self.calls.get(ev.stream_id)
-            if call is not None:
-                call.ended = True
-                if call.assembler.partial and call.failure is None:
-                    call.failure = _wire.WireError(grpc.StatusCode.INTERNAL, "stream ended inside a message")
-                self._notify(call)
-            self.window_signal.notify()
-        elif isinstance(ev, E.StreamReset):
-            call = self.calls.pop(ev.stream_id, None)
-            if call is not None:
-                if call.ended and ev.error_code == h2.errors.ErrorCodes.NO_ERROR:
-                    call.peer_done = True
-                else:
-                    call.reset_code = ev.error_code
-                self._notify(call)
-            self.window_signal.notify()
-        elif isinstance(ev, (E.WindowUpdated, E.RemoteSettingsChanged)):
-            self.window_signal.notify()
-        elif isinstance(ev, E.ConnectionTerminated):
-            self.goaway_last_stream = ev.last_stream_id if ev.last_stream_id is not None else 0
-            for sid, call in list(self.calls.items()):
-                if self.client_side and sid > self.goaway_last_stream:
-                    call.failure = ConnectionFailed("the server went away (GOAWAY) before this call started")
-                    self._notify(call)
-            if ev.error_code:
-                if ev.additional_data == _keepalive.TOO_MANY_PINGS and self.keepalive is not None:
-                    self.keepalive.told_too_many_pings()
-                self.dead = f"the peer ended the connection (GOAWAY {ev.error_code!r}" + (
-                    f" {bytes(ev.additional_data)!r})" if ev.additional_data else ")")
-            elif self.client_side and not self.calls:
-                self.loop.call_soon(self._fail, "the server went away (GOAWAY)")
-            self.window_signal.notify()
-        elif isinstance(ev, E.PingAckReceived):
-            if ev.ping_data == GOAWAY_PING:
-                self._goaway_finish()
-            elif self.keepalive is not None:
-                self.keepalive.ping_acknowledged()
-        elif isinstance(ev, E.PingReceived):
-            if self.keepalive is not None and not self.client_side and \
-                    self.keepalive.ping_received(self.loop.time(), len(self.calls)):
-                try:                              # grpcio's answer to a client pinging too often
-                    self.h2.close_connection(error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM,
-                                             additional_data=_keepalive.TOO_MANY_PINGS)
-                except h2.exceptions.ProtocolError:
-                    pass
-                self.dead = "the client pinged too often (GOAWAY ENHANCE_YOUR_CALM too_many_pings)"
 
     def _fail(self, reason: str):
         first = self.dead is None or not getattr(self, "_failed", False)
@@ -865,11 +670,7 @@ class AioConnection:
     # ------------------------------------------------------------ closing
     def close(self, graceful: bool = True) -> None:
         if graceful and self.dead is None:
-            try:
-                self.h2.close_connection()
-                self._flush()
-            except h2.exceptions.ProtocolError:
-                pass
+            self._close_h2()
         self._fail("connection closed locally")
         if not self.reader.done():
             self.reader.cancel()

@@ -12,212 +12,20 @@ cannot deadlock. Application threads wait on per-call conditions.
 from __future__ import annotations
 
 import collections
-import struct
 import threading
 import time
 import weakref
 
-import grpc
-import h2.config
-import h2.connection
 import h2.errors
-import h2.events
 import h2.exceptions
-import h2.settings
 
 from fabric import errors
-from fabric.grpc import _keepalive, _wire
+from fabric.grpc import _h2_fast, _http2_core, _keepalive, _wire
+from fabric.grpc._h2_fast import MemoHpack as _MemoHpack  # noqa: F401  (bench/h2_cost.py uses it from here)
+from fabric.grpc._http2_core import (LINGER, QUEUED_HIGH_WATER, SMALL_MESSAGE, ConnectionCore,
+                                     ConnectionFailed)
 
-STREAM_WINDOW = 64 << 20                 # per-stream receive window we offer
-CONNECTION_WINDOW = 256 << 20            # connection receive window we offer
-MAX_FRAME = (1 << 24) - 1                # largest frame we accept (HTTP/2 maximum)
-QUEUED_HIGH_WATER = 64 << 20             # unread complete messages per call before we stop opening its window
-PROMPT_WINDOW_UPDATE = 1 << 20           # from this many bytes, window goes back at once
-MAX_CONCURRENT_STREAMS = 1000
-MAX_HEADER_LIST = 64 << 10               # bytes of headers (metadata) per call we accept
-SMALL_MESSAGE = 64 << 10                 # up to this, prefix and message go out as one DATA frame
-FAST_DATA_MIN = 64 << 10                 # DATA frames from this size bypass h2's byte handling
-FRAME_HEADER = struct.Struct(">HBBBI")   # length (24 bits as H+B), type, flags, stream id
-DATA, END_STREAM_FLAG, PADDED_FLAG = 0x0, 0x1, 0x8
-LINGER = 2.0                             # seconds a closing connection waits for the peer's close
 IDLE_CHECK_AFTER = 0.05                  # seconds without reading before a call checks the connection
-GOAWAY_PING = b"fgoaway!"                # opaque data of the PING between our two GOAWAYs
-GOAWAY_ACK_WAIT = 1.0                    # seconds we wait for its ACK before the final GOAWAY
-
-
-def frame_header(length: int, ftype: int, flags: int, stream_id: int) -> bytes:
-    return FRAME_HEADER.pack(length >> 8, length & 0xFF, ftype, flags, stream_id & 0x7FFFFFFF)
-
-
-def parse_frame_header(view) -> tuple[int, int, int, int]:
-    hi, lo, ftype, flags, sid = FRAME_HEADER.unpack_from(view)
-    return (hi << 8) | lo, ftype, flags, sid & 0x7FFFFFFF
-
-
-def _cheap_data_repr(frame) -> str:
-    """repr() of a DATA frame's body as hyperframe writes it (the first 10
-    bytes of the serialized body, hex, then "..."), from those bytes only."""
-    import binascii
-    padding = frame.serialize_padding_data()
-    size = len(padding) + len(frame.data) + (frame.pad_length if "PADDED" in frame.flags else 0)
-    if size == 0:
-        return "None"
-    head = padding + bytes(memoryview(frame.data)[:11])
-    head = (head + b"\0" * 11)[:min(11, size)]
-    text = binascii.hexlify(head).decode("ascii")
-    return "<hex:" + (text[:20] + "..." if len(text) > 20 else text) + ">"
-
-
-def install_cheap_frame_buffer(conn: h2.connection.H2Connection) -> None:
-    """h2 formats repr(frame) for every frame it receives, logging on or off,
-    and hyperframe's repr of a DATA frame re-serializes the whole body and
-    hex-encodes all of it before keeping 20 hex digits: three passes over
-    every payload (a 4 MiB gRPC message spent 14 ms there). This connection's
-    frame buffer hands out DATA frames whose repr reads 10 bytes; hyperframe
-    itself, and every other user of h2 in the process, is left as it is.
-    Without the hooks it needs (another h2/hyperframe), h2 keeps its own."""
-    try:
-        from h2.frame_buffer import FrameBuffer
-        from hyperframe.frame import DataFrame
-    except ImportError:                       # pragma: no cover
-        return
-    buffer = getattr(conn, "incoming_buffer", None)
-    table = getattr(conn, "_frame_dispatch_table", None)      # h2 routes frames by exact type
-    if (_CheapFrameBuffer is None or type(buffer) is not FrameBuffer or buffer._data
-            or not isinstance(table, dict) or DataFrame not in table
-            or not hasattr(DataFrame, "serialize_padding_data") or not hasattr(DataFrame, "_body_repr")):
-        return
-    table[_CheapFrameBuffer.data_frame] = table[DataFrame]
-    cheap = _CheapFrameBuffer(server=not conn.config.client_side)
-    cheap.max_frame_size = buffer.max_frame_size
-    conn.incoming_buffer = cheap
-
-
-def _make_cheap_frame_buffer():
-    try:
-        from h2.frame_buffer import FrameBuffer
-        from hyperframe.frame import DataFrame
-    except ImportError:                       # pragma: no cover
-        return None
-
-    class CheapReprDataFrame(DataFrame):
-        __slots__ = ()
-
-        def _body_repr(self) -> str:
-            return _cheap_data_repr(self)
-
-    CheapReprDataFrame.__name__ = "DataFrame"     # h2's log lines read as before
-
-    class CheapFrameBuffer(FrameBuffer):
-        data_frame = CheapReprDataFrame
-
-        def __next__(self):
-            frame = super().__next__()
-            if type(frame) is DataFrame:
-                frame.__class__ = CheapReprDataFrame
-            return frame
-
-    return CheapFrameBuffer
-
-
-_CheapFrameBuffer = _make_cheap_frame_buffer()
-
-
-class _MemoHpack:
-    """An hpack Encoder or Decoder whose work is remembered: gRPC sends the
-    same few header blocks over and over (request headers of a method,
-    response headers, OK trailers), and HPACK in pure Python costs ~6 us a
-    block (a quarter of h2's time per call). A block is reused only while
-    the dynamic table is exactly as it was when the block was made, and only
-    if making it left the table unchanged, so the bytes on the wire (and the
-    headers handed to h2) are what hpack itself would produce."""
-
-    __slots__ = ("_inner", "_memo", "_version", "_coder")
-    MAX_MEMO = 256
-
-    def __init__(self, inner, coder):
-        object.__setattr__(self, "_inner", inner)
-        object.__setattr__(self, "_memo", {})
-        object.__setattr__(self, "_version", 0)
-        object.__setattr__(self, "_coder", coder)
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def __setattr__(self, name, value):
-        setattr(self._inner, name, value)          # table size, list size limits: a new state
-        object.__setattr__(self, "_version", self._version + 1)
-
-    def _state(self):
-        table = self._inner.header_table
-        entries = table.dynamic_entries
-        return table.maxsize, table.resized, len(entries), entries[0] if entries else None
-
-    def _run(self, key, *args):
-        hit = self._memo.get(key)
-        if hit is not None and hit[0] == self._version:
-            return hit[1]
-        size, resized, count, first = self._state()
-        unchanged = False
-        try:
-            out = getattr(self._inner, self._coder)(*args)
-            if self._coder == "decode":
-                out = list(out)
-            size2, resized2, count2, first2 = self._state()
-            # entries are new tuples when added: identity tells a changed table
-            unchanged = size == size2 and resized == resized2 and count == count2 and first is first2
-        finally:
-            if not unchanged:
-                object.__setattr__(self, "_version", self._version + 1)
-        if unchanged:
-            if len(self._memo) >= self.MAX_MEMO:
-                self._memo.clear()
-            self._memo[key] = (self._version, out)
-        return out
-
-    def encode(self, headers, huffman=True):
-        if type(headers) is not list or any(type(h) is not tuple for h in headers):
-            return self._plain("encode", headers, huffman)
-        return self._run(("e", tuple(headers), huffman), headers, huffman)
-
-    def decode(self, data, raw=False):
-        return list(self._run(("d", bytes(data), raw), data, raw))
-
-    def _plain(self, coder, *args):
-        """Not memoizable (sensitive or unusual header types): hpack itself."""
-        object.__setattr__(self, "_version", self._version + 1)
-        return getattr(self._inner, coder)(*args)
-
-
-def fast_data_supported(conn) -> bool:
-    """The large-DATA path keeps h2's bookkeeping through these h2 internals
-    (h2 4.x); without them every DATA frame goes through h2."""
-    return (hasattr(conn, "_inbound_flow_control_window_manager") and hasattr(conn, "_get_stream_by_id")
-            and hasattr(conn, "state_machine"))
-
-
-def charge_data_sent(conn, stream_id: int, length: int) -> None:
-    """h2's state machines and windows, as its send_data would leave them,
-    for a DATA frame of length bytes we write ourselves."""
-    from h2.connection import ConnectionInputs
-    from h2.stream import StreamInputs
-    stream = conn._get_stream_by_id(stream_id)
-    conn.state_machine.process_input(ConnectionInputs.SEND_DATA)
-    stream.state_machine.process_input(StreamInputs.SEND_DATA)
-    stream.outbound_flow_control_window -= length
-    conn.outbound_flow_control_window -= length
-
-
-def charge_data_received(conn, stream_id: int, length: int) -> None:
-    """The same for a DATA frame we receive ourselves (raises h2's
-    ProtocolError or StreamClosedError as its receive_data would)."""
-    from h2.connection import ConnectionInputs
-    from h2.stream import StreamInputs
-    conn.state_machine.process_input(ConnectionInputs.RECV_DATA)
-    conn._inbound_flow_control_window_manager.window_consumed(length)
-    stream = conn._get_stream_by_id(stream_id)
-    stream.state_machine.process_input(StreamInputs.RECV_DATA)
-    stream._inbound_window_manager.window_consumed(length)
 
 
 class _Own:
@@ -233,18 +41,6 @@ class _Own:
 
 
 MAX_DETACHED_WRITES = 4                  # large writes in flight per connection (sender pipelining)
-
-
-def _encoding_header(headers):
-    for k, v in headers:
-        if k == b"grpc-encoding":
-            return v.decode("ascii", "replace")
-    return None
-
-
-class ConnectionFailed(Exception):
-    """The HTTP/2 connection (or its byte stream) is gone."""
-
 
 class CallStream:
     """What one HTTP/2 stream of a call has received, and its send side."""
@@ -293,92 +89,23 @@ class CallStream:
                 pass
 
 
-def reopen_after_goaway(conn: h2.connection.H2Connection) -> None:
-    """h2 moves to CLOSED when it sends or receives GOAWAY, and then refuses
-    every later frame, also those of the calls the GOAWAY lets finish
-    (RFC 9113 6.8): a stock server's graceful GOAWAY (max connection age,
-    stop with grace) would fail them all. Back to OPEN; the caller keeps the
-    GOAWAY's rule (no new streams, or none above its last stream id)."""
-    machine = getattr(conn, "state_machine", None)
-    if machine is not None and machine.state == h2.connection.ConnectionState.CLOSED:
-        machine.state = (h2.connection.ConnectionState.CLIENT_OPEN if conn.config.client_side
-                         else h2.connection.ConnectionState.SERVER_OPEN)
-
-
-def keep_streams_open_on_goaway(conn: h2.connection.H2Connection) -> None:
-    """Reopen as soon as h2 has taken a graceful (NO_ERROR) GOAWAY, before it
-    reads the frames after it in the same read (h2 internals; without them
-    a GOAWAY ends the calls it should let finish, as before)."""
-    from hyperframe.frame import GoAwayFrame
-    table = getattr(conn, "_frame_dispatch_table", None)
-    if not isinstance(table, dict) or GoAwayFrame not in table:
-        return
-    original = table[GoAwayFrame]
-
-    def receive_goaway(frame):
-        result = original(frame)
-        if frame.error_code == 0:
-            reopen_after_goaway(conn)
-        return result
-    table[GoAwayFrame] = receive_goaway
-
-
-class Connection:
+class Connection(ConnectionCore):
     def __init__(self, stream, client_side: bool, max_receive: int = _wire.DEFAULT_MAX_RECEIVE,
                  on_request=None, on_close=None, name: str = "fabric.grpc", callers_read: bool = False,
                  trusted_peer: bool = False, keepalive: _keepalive.Settings | None = None):
         self.stream = stream
-        self.client_side = client_side
-        self.max_receive = max_receive
-        self.on_request = on_request
-        self.on_close = on_close
         self.lock = threading.Lock()
         self.send_lock = threading.Lock()
         self.read_lock = threading.Lock()       # the reader role
         self.cond = threading.Condition(self.lock)
         self.window_cond = self.cond            # one condition: every waiter rechecks after progress
         self.pending = []
-        self.calls: dict[int, CallStream] = {}
-        self.dead = None                    # reason, once failed
-        self.goaway_last_stream = None      # the peer's GOAWAY: streams above it will not be served
-        self.goaway_sent_last = None        # ours: streams above it are refused
-        self.goaway_started = None          # when our first GOAWAY left
         self.last_read = time.monotonic()
-        self.keepalive = None if keepalive is None else _keepalive.Keepalive(keepalive, time.monotonic())
         self._local = threading.local()
-        # Outbound headers are built by fabric.grpc itself (lowercase names, no
-        # connection-specific fields), so h2 need not re-check them (that
-        # check costs ~10 us a message). What peers send is validated, except
-        # on fabric streams (trusted_peer): only fabric.grpc speaks there, and
-        # HPACK decoding itself stays strict.
-        config = h2.config.H2Configuration(client_side=client_side, header_encoding=None,
-                                           validate_outbound_headers=False,
-                                           normalize_outbound_headers=False,
-                                           validate_inbound_headers=not trusted_peer)
-        self.h2 = h2.connection.H2Connection(config)
-        install_cheap_frame_buffer(self.h2)
-        keep_streams_open_on_goaway(self.h2)
-        self.h2.encoder = _MemoHpack(self.h2.encoder, "encode")
-        self.h2.decoder = _MemoHpack(self.h2.decoder, "decode")
-        self.fast_data = fast_data_supported(self.h2)
-        self.counters = {"fast_data_frames_sent": 0, "fast_data_frames_received": 0}
+        self._init_core(client_side, max_receive, on_request, on_close, trusted_peer, keepalive)
         self._writes_in_flight = collections.deque() if hasattr(stream, "write_nowait") else None
-        # Our settings take effect when we send them, not when the peer
-        # acknowledges them: a peer may use a larger frame or window as soon
-        # as it has read them (grpcio does), before its ACK reaches us.
-        codes = h2.settings.SettingCodes
-        values = {codes.INITIAL_WINDOW_SIZE: STREAM_WINDOW, codes.MAX_FRAME_SIZE: MAX_FRAME,
-                  codes.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS,
-                  codes.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST}
-        if client_side:
-            values[codes.ENABLE_PUSH] = 0
-        self.h2.local_settings = h2.settings.Settings(client=client_side, initial_values=values)
-        self.h2.max_inbound_frame_size = MAX_FRAME
-        self.h2.incoming_buffer.max_frame_size = MAX_FRAME
         with self.lock:
-            self.h2.initiate_connection()
-            self.h2.increment_flow_control_window(CONNECTION_WINDOW - 65535)
-            self.pending.append(self.h2.data_to_send())
+            self._start_h2()
         self.flush(block=True)
         if self.fast_data and hasattr(stream, "read_into"):
             self.reader = _FramedReader(self)
@@ -449,18 +176,7 @@ class Connection:
             if self.dead is not None:
                 return
             ka = self.keepalive
-            if self.goaway_started is not None and self.goaway_sent_last is None and \
-                    now >= self.goaway_started + GOAWAY_ACK_WAIT:
-                self._goaway_finish()             # no ACK for our GOAWAY's PING: finish anyway
-            action, next_at = ka.tick(now, len(self.calls))
-            if action == _keepalive.PING:
-                self.h2.ping(struct.pack(">d", now))
-                ka.ping_sent(now)
-                self._queue()
-            elif action == _keepalive.GOAWAY:
-                self._goaway_begin()
-            if self.goaway_started is not None and self.goaway_sent_last is None:
-                next_at = min(next_at or now + 0.1, now + 0.1)
+            action, next_at = self._keepalive_due(now)
         if action == _keepalive.FAIL:
             self._fail(f"keepalive watchdog timeout: no PING ACK within {ka.settings.timeout:g} s")
             return
@@ -481,47 +197,24 @@ class Connection:
             self._goaway_begin()
         self.flush(block=False)
 
-    def _goaway_begin(self):
-        """(lock held) A graceful GOAWAY in two steps, as gRPC servers do:
-        first one that names no last stream (stop opening calls here) with a
-        PING; once its ACK is back, every call the client opened before it
-        saw the GOAWAY has arrived, and the final GOAWAY names the last one.
-        A single GOAWAY would refuse calls already on their way."""
-        if self.dead is not None or self.goaway_started is not None:
-            return
-        self.goaway_started = time.monotonic()
-        if self._send_goaway(2 ** 31 - 1):
-            self.h2.ping(GOAWAY_PING)
-            self._queue()
-        if self.keepalive is not None:
-            self._schedule_tick(self.goaway_started + 0.1)     # drain, and the ACK's wait
+    # ------------------------------------------------------------ what ConnectionCore needs
+    def _now(self) -> float:
+        return time.monotonic()
 
-    def _goaway_finish(self):
-        """(lock held) The final GOAWAY: streams above the last one we have are refused."""
-        if self.goaway_sent_last is not None or self.dead is not None:
-            return
-        last = self.h2.highest_inbound_stream_id
-        if self._send_goaway(last):
-            self.goaway_sent_last = last
-            if self.keepalive is not None:
-                self.keepalive.goaway_sent(time.monotonic())
-
-    def _send_goaway(self, last_stream_id) -> bool:
-        """(lock held) GOAWAY while the open calls finish: h2 moves to CLOSED
-        when it sends GOAWAY and would refuse their remaining frames, so its
-        state goes back to OPEN; the GOAWAY's rule is kept here."""
-        try:
-            self.h2.close_connection(last_stream_id=last_stream_id)
-        except h2.exceptions.ProtocolError:
-            return False
+    def _write_h2(self) -> None:
         self._queue()
-        reopen_after_goaway(self.h2)
-        return True
 
-    def _sent_frames(self):
-        """(lock held) HEADERS or DATA leave: pings are due again, strikes forgiven."""
-        if self.keepalive is not None:
-            self.keepalive.frames_sent()
+    def _new_call(self, stream_id: int) -> "CallStream":
+        return CallStream(self, stream_id, self.max_receive)
+
+    def _wake(self, call) -> None:
+        call.cond.notify_all()
+
+    def _wake_window_waiters(self) -> None:
+        self.window_cond.notify_all()
+
+    def _after_read(self, later, fn) -> None:
+        later.append(fn)
 
     def check_idle(self) -> None:
         """Before a call on a connection nobody has read for a while (no
@@ -616,35 +309,10 @@ class Connection:
 
     def ack(self, call: CallStream) -> None:
         """(lock held) Return received bytes of call to the peer's windows."""
-        n, call.unacked = call.unacked, 0
-        if n and self.dead is None:
-            if n >= PROMPT_WINDOW_UPDATE:
-                # h2 returns window only after half of it was consumed; with
-                # messages of 16 MiB that stalls a streaming sender every few
-                # messages. Large amounts go back at once: the connection's
-                # always (even when the stream has closed meanwhile, or the
-                # peer's connection window shrinks for good), the stream's if open.
-                self.h2.increment_flow_control_window(n)
-                try:
-                    self.h2.increment_flow_control_window(n, stream_id=call.id)
-                except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError,
-                        h2.exceptions.FlowControlError):
-                    pass
-            else:
-                try:
-                    self.h2.acknowledge_received_data(n, call.id)
-                except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
-                    pass        # the stream is gone; h2 has settled the connection window
+        if self._ack(call):
             self._queue()
 
     # ------------------------------------------------------------ calls
-    def _check_alive(self):
-        if self.dead is not None:
-            raise ConnectionFailed(self.dead)
-        if self.h2.state_machine.state == h2.connection.ConnectionState.CLOSED:
-            # close() sent GOAWAY; the connection is not failed yet
-            raise ConnectionFailed("the connection is closing")
-
     def open_call(self, headers, end_stream: bool = False) -> CallStream:
         """Client: a new stream with its request headers sent."""
         with self.lock:
@@ -675,15 +343,6 @@ class Connection:
             self._queue()
         self._flush_app()
 
-    def _check_call(self, call: CallStream):
-        self._check_alive()
-        if call.peer_done:
-            raise ConnectionFailed(f"stream {call.id} was ended by the peer")
-        if call.reset_code is not None:
-            raise ConnectionFailed(f"stream {call.id} was reset ({call.reset_code})")
-        if call.local_closed:
-            raise ConnectionFailed(f"stream {call.id} is already closed for sending")
-
     def send_message(self, call: CallStream, payload, end_stream: bool = False,
                      deadline: float | None = None, encoding: str | None = None) -> None:
         """A length-prefixed gRPC message, cut to the peer's windows and frame
@@ -696,7 +355,7 @@ class Connection:
             packed = _wire.compress(view, encoding)
             if len(packed) < view.nbytes:
                 payload, view, compressed = packed, memoryview(packed), True
-        if view.nbytes >= FAST_DATA_MIN and self.fast_data:
+        if view.nbytes >= _h2_fast.FAST_DATA_MIN and self.fast_data:
             self._send_large(call, view, end_stream, deadline, detached=type(payload) is bytes,
                              compressed=compressed)
             return
@@ -788,9 +447,10 @@ class Connection:
                     if n < 0:
                         n = 0
                     length = head + n
-                    charge_data_sent(self.h2, call.id, length)
+                    _h2_fast.charge_data_sent(self.h2, call.id, length)
                     self._queue()                     # anything h2 had queued goes first
-                    self.pending.append(frame_header(length, DATA, 0, call.id) + (prefix if first else b""))
+                    header = _h2_fast.frame_header(length, _h2_fast.DATA, 0, call.id)
+                    self.pending.append(header + (prefix if first else b""))
                     self.counters["fast_data_frames_sent"] += 1
                     if n:
                         self.pending.append(_Own(view[:n], detached))
@@ -873,7 +533,7 @@ class Connection:
         of the current read, or None if the connection died."""
         with self.lock:
             try:
-                charge_data_received(self.h2, call.id, length)
+                _h2_fast.charge_data_received(self.h2, call.id, length)
             except (h2.exceptions.ProtocolError, h2.exceptions.StreamClosedError) as e:
                 self.dead = f"HTTP/2 protocol error from the peer: {e!r}"
         if self.dead is not None:
@@ -906,14 +566,10 @@ class Connection:
                     return None
         except _wire.WireError as e:
             failure = e
+        callbacks = []
         with self.lock:
-            call.unacked += length
-            if failure is not None and call.failure is None:
-                call.failure = failure
-            if call.queued_bytes <= QUEUED_HIGH_WATER:
-                self.ack(call)
-            callbacks = []
-            self._notify(call, callbacks)
+            self._fast_data_taken(call, length, failure, callbacks)
+            self._queue()
         if failure is not None:
             if self.client_side:
                 self.reset(call, h2.errors.ErrorCodes.CANCEL)
@@ -948,112 +604,6 @@ class Connection:
                 call.queued_bytes += len(msg)
             call.cond.notify_all()
 
-    def _handle(self, ev, callbacks):
-        """(lock held) One h2 event."""
-        E = h2.events
-        if isinstance(ev, E.DataReceived):
-            call = self.calls.get(ev.stream_id)
-            if call is None or call.failure is not None:
-                if ev.flow_controlled_length:
-                    try:
-                        self.h2.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
-                    except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
-                        pass
-                return
-            call.unacked += ev.flow_controlled_length
-            try:
-                for msg in call.assembler.feed(ev.data):
-                    call.messages.append(msg)
-                    call.queued_bytes += len(msg)
-            except _wire.WireError as e:
-                call.failure = e
-                if self.client_side:
-                    callbacks.append(lambda c=call: self.reset(c, h2.errors.ErrorCodes.CANCEL))
-                # a server ends the call with the status (its trailers), then resets
-            if call.queued_bytes <= QUEUED_HIGH_WATER:
-                self.ack(call)
-            self._notify(call, callbacks)
-        elif isinstance(ev, E.RequestReceived):
-            if self.goaway_sent_last is not None and ev.stream_id > self.goaway_sent_last:
-                try:                              # after our GOAWAY: the client retries elsewhere
-                    self.h2.reset_stream(ev.stream_id, error_code=h2.errors.ErrorCodes.REFUSED_STREAM)
-                except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
-                    pass
-                return
-            call = CallStream(self, ev.stream_id, self.max_receive)
-            call.headers = ev.headers
-            call.assembler.encoding = _encoding_header(ev.headers)
-            self.calls[ev.stream_id] = call
-            if ev.stream_ended is not None:
-                call.ended = True
-            if self.on_request is not None:
-                callbacks.append(lambda c=call: self.on_request(self, c))
-        elif isinstance(ev, E.ResponseReceived):
-            call = self.calls.get(ev.stream_id)
-            if call is not None:
-                call.headers = ev.headers
-                call.assembler.encoding = _encoding_header(ev.headers)
-                self._notify(call, callbacks)
-        elif isinstance(ev, E.TrailersReceived):
-            call = self.calls.get(ev.stream_id)
-            if call is not None:
-                call.trailers = ev.headers
-                self._notify(call, callbacks)
-        elif isinstance(ev, E.StreamEnded):
-            call = self.calls.get(ev.stream_id)
-            if call is not None:
-                call.ended = True
-                if call.assembler.partial and call.failure is None:
-                    call.failure = _wire.WireError(grpc.StatusCode.INTERNAL, "stream ended inside a message")
-                self._notify(call, callbacks)
-            self.window_cond.notify_all()
-        elif isinstance(ev, E.StreamReset):
-            call = self.calls.pop(ev.stream_id, None)
-            if call is not None:
-                if call.ended and ev.error_code == h2.errors.ErrorCodes.NO_ERROR:
-                    call.peer_done = True       # complete: the peer only wants no more of our request
-                else:
-                    call.reset_code = ev.error_code
-                self._notify(call, callbacks)
-            self.window_cond.notify_all()
-        elif isinstance(ev, (E.WindowUpdated, E.RemoteSettingsChanged)):
-            self.window_cond.notify_all()
-        elif isinstance(ev, E.ConnectionTerminated):
-            self.goaway_last_stream = ev.last_stream_id if ev.last_stream_id is not None else 0
-            for sid, call in list(self.calls.items()):
-                if self.client_side and sid > self.goaway_last_stream:
-                    call.failure = ConnectionFailed("the server went away (GOAWAY) before this call started")
-                    self._notify(call, callbacks)
-            if ev.error_code:
-                if ev.additional_data == _keepalive.TOO_MANY_PINGS and self.keepalive is not None:
-                    self.keepalive.told_too_many_pings()
-                self.dead = f"the peer ended the connection (GOAWAY {ev.error_code!r}" + (
-                    f" {bytes(ev.additional_data)!r})" if ev.additional_data else ")")
-            else:                                 # the calls it still serves go on
-                if self.client_side and not self.calls:
-                    callbacks.append(lambda: self._fail("the server went away (GOAWAY)"))
-            self.window_cond.notify_all()
-        elif isinstance(ev, E.PingAckReceived):
-            if ev.ping_data == GOAWAY_PING:
-                self._goaway_finish()
-            elif self.keepalive is not None:
-                self.keepalive.ping_acknowledged()
-        elif isinstance(ev, E.PingReceived):
-            if self.keepalive is not None and not self.client_side and \
-                    self.keepalive.ping_received(time.monotonic(), len(self.calls)):
-                # grpcio's answer to a client pinging more often than allowed
-                try:
-                    self.h2.close_connection(error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM,
-                                             additional_data=_keepalive.TOO_MANY_PINGS)
-                except h2.exceptions.ProtocolError:
-                    pass
-                self.dead = "the client pinged too often (GOAWAY ENHANCE_YOUR_CALM too_many_pings)"
-
-    def _notify(self, call, callbacks):
-        call.cond.notify_all()
-        if call.on_event is not None:
-            callbacks.append(lambda c=call: c.on_event(c))
-
     def _fail(self, reason: str):
         callbacks = []
         with self.lock:
@@ -1077,11 +627,7 @@ class Connection:
     def close(self, graceful: bool = True) -> None:
         if graceful and self.dead is None:
             with self.lock:
-                try:
-                    self.h2.close_connection()
-                    self._queue()
-                except h2.exceptions.ProtocolError:
-                    pass
+                self._close_h2()
             try:
                 self.flush(block=True)
             except ConnectionFailed:
@@ -1189,9 +735,8 @@ class _FramedReader:
             buf = buf[self.preface:]
             self.preface = 0
         while len(buf) >= 9:
-            length, ftype, flags, sid = parse_frame_header(buf)
-            if (ftype == DATA and length >= FAST_DATA_MIN and not flags & (PADDED_FLAG | END_STREAM_FLAG)
-                    and length <= c.h2.max_inbound_frame_size):
+            length, ftype, flags, sid = _h2_fast.parse_frame_header(buf)
+            if _h2_fast.is_fast_data(c.h2, length, ftype, flags):
                 if to_h2:                         # the HEADERS that open this call may be among them
                     if not c._feed_h2(to_h2):
                         return False
