@@ -5,7 +5,8 @@ Owns what both do alike on the socket a connection starts with: sending our
 bootstrap message and receiving the peer's (a fixed header, then the payload
 the header announces) without blocking; afterwards, watching the socket as
 the liveness monitor (EOF or an error: the peer went away; a byte: a protocol
-error); and the listener that accepts such sockets. What a message says and
+error); the queue of sends made before the connection is through; and the
+listener that accepts such sockets. What a message says and
 what a backend does with it stays in the backend (see bootstrap.pxd).
 
 The bootstrap runs once per connection, so the backends call these functions
@@ -106,7 +107,10 @@ cdef void boot_release(fab_boot* b) noexcept nogil:
 
 
 cdef void boot_close(fab_boot* b, fab_channel* ch) noexcept nogil:
+    """The channel closes: free what is left, sends never posted included."""
     boot_release(b)
+    while b.deferred != NULL:
+        free(boot_next_deferred(b))
     if b.sock >= 0:
         close(b.sock)
     b.sock = -1
@@ -129,6 +133,32 @@ cdef int boot_watch(fab_boot* b, fab_channel* ch, int connected) noexcept nogil:
     elif r > 0:
         return fab_fail(ch, EPROTO, "unexpected bytes on the bootstrap connection")
     return 0
+
+
+cdef void* boot_defer(fab_boot* b, size_t size, uint64_t ctx) noexcept nogil:
+    """A record of size bytes (a boot_deferred first), queued last; NULL if
+    there is no memory."""
+    cdef boot_deferred* dq = <boot_deferred*>malloc(size)
+    if dq == NULL:
+        return NULL
+    dq.next = NULL
+    dq.ctx = ctx
+    if b.deferred_tail == NULL:
+        b.deferred = dq
+    else:
+        b.deferred_tail.next = dq
+    b.deferred_tail = dq
+    return dq
+
+
+cdef void* boot_next_deferred(fab_boot* b) noexcept nogil:
+    """The oldest queued send, unlinked (the caller frees it), or NULL."""
+    cdef boot_deferred* dq = b.deferred
+    if dq != NULL:
+        b.deferred = dq.next
+        if b.deferred == NULL:
+            b.deferred_tail = NULL
+    return dq
 
 
 # ------------------------------------------------------------- listener

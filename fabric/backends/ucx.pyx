@@ -173,8 +173,7 @@ cdef struct ucx_large:
     int waiting
 
 cdef struct ucx_deferred:
-    ucx_deferred* next
-    uint64_t ctx
+    boot_deferred link   # first: queued by the bootstrap until the endpoint exists
     int iovcnt
     ucp_dt_iov_t iov[1]  # iovcnt entries
 
@@ -206,8 +205,6 @@ cdef struct ucx_chan:
     int ep_failed
     int ep_peer_mode           # the UCP endpoint was made with error mode PEER
     double ep_close_at         # a closed channel's endpoint is closed by then at the latest
-    ucx_deferred* deferred
-    ucx_deferred* deferred_tail
     # completions
     ucx_event* q
     uint32_t qcap
@@ -639,14 +636,13 @@ cdef int boot_step(ucx_chan* ch) noexcept nogil:
     ch.dom.eps_open += 1
     ch.state = ST_READY
     boot_release(&ch.boot)      # the socket now only tells us if the peer goes away
-    while ch.deferred != NULL:
-        dq = ch.deferred
-        ch.deferred = dq.next
-        rc = post_am(ch, dq.iov, dq.iovcnt, dq.ctx, 1)
+    dq = <ucx_deferred*>boot_next_deferred(&ch.boot)
+    while dq != NULL:
+        rc = post_am(ch, dq.iov, dq.iovcnt, dq.link.ctx, 1)
         free(dq)
         if rc < 0:
             return rc
-    ch.deferred_tail = NULL
+        dq = <ucx_deferred*>boot_next_deferred(&ch.boot)
     return 0
 
 
@@ -810,18 +806,11 @@ cdef int ucx_send(fab_channel* fch, iovec* iov, fab_mr** mrs, int iovcnt, uint64
         v[i].buffer = iov[i].iov_base
         v[i].length = iov[i].iov_len
     if ch.state != ST_READY:
-        dq = <ucx_deferred*>malloc(sizeof(ucx_deferred) + iovcnt * sizeof(ucp_dt_iov_t))
+        dq = <ucx_deferred*>boot_defer(&ch.boot, sizeof(ucx_deferred) + iovcnt * sizeof(ucp_dt_iov_t), ctx)
         if dq == NULL:
             return fab_fail(fch, ENOMEM, "send")
-        dq.next = NULL
-        dq.ctx = ctx
         dq.iovcnt = iovcnt
         memcpy(dq.iov, v, iovcnt * sizeof(ucp_dt_iov_t))
-        if ch.deferred_tail == NULL:
-            ch.deferred = dq
-        else:
-            ch.deferred_tail.next = dq
-        ch.deferred_tail = dq
         return FAB_PENDING
     return post_am(ch, v, iovcnt, ctx, 0)
 
@@ -966,7 +955,6 @@ cdef void ucx_close(fab_channel* fch) noexcept nogil:
     cdef ucx_chan* ch = <ucx_chan*>fch
     cdef double deadline
     cdef fab_regnode* node
-    cdef ucx_deferred* dq
     cdef ucx_large* lg
     cdef uint32_t i
     cdef ucx_domain* d = ch.dom
@@ -1001,10 +989,6 @@ cdef void ucx_close(fab_channel* fch) noexcept nogil:
         ch.mrs = node.next
         ucp_mem_unmap(d.context, <ucp_mem_h>node.handle)
         free(node)
-    while ch.deferred != NULL:
-        dq = ch.deferred
-        ch.deferred = dq.next
-        free(dq)
     while ch.large != NULL:
         lg = ch.large
         ch.large = lg.next

@@ -134,8 +134,7 @@ cdef struct vb_domain:
     int refs
 
 cdef struct vb_deferred:
-    vb_deferred* next
-    uint64_t ctx
+    boot_deferred link          # first: queued by the bootstrap until the QP is connected
     int n
     int inline_
     ibv_sge sge[16]
@@ -156,8 +155,6 @@ cdef struct vb_chan:
     size_t slot
     uint32_t* repost
     uint32_t nrepost
-    vb_deferred* deferred
-    vb_deferred* deferred_tail
     fab_regnode* mrs
     ibv_wc stash[STASH]
     int nstash
@@ -259,14 +256,13 @@ cdef int go_ready(vb_chan* ch) noexcept nogil:
     if rc != 0:
         return fab_fail(&ch.base, rc, "moving the queue pair to RTS failed")
     ch.state = ST_READY
-    while ch.deferred != NULL:
-        dq = ch.deferred
-        ch.deferred = dq.next
-        rc = fab_ib_post_send(ch.qp, dq.sge, dq.n, dq.ctx, dq.inline_)
+    dq = <vb_deferred*>boot_next_deferred(&ch.boot)
+    while dq != NULL:
+        rc = fab_ib_post_send(ch.qp, dq.sge, dq.n, dq.link.ctx, dq.inline_)
         free(dq)
         if rc != 0:
             return fab_fail(&ch.base, rc, "ibv_post_send")
-    ch.deferred_tail = NULL
+        dq = <vb_deferred*>boot_next_deferred(&ch.boot)
     return 0
 
 cdef int boot_step(vb_chan* ch) noexcept nogil:
@@ -303,19 +299,12 @@ cdef int vb_send(fab_channel* fch, iovec* iov, fab_mr** mrs, int iovcnt, uint64_
     if not inl and mrs == NULL:
         return -EINVAL           # the engine registers what it sends here
     if ch.state != ST_READY:
-        dq = <vb_deferred*>malloc(sizeof(vb_deferred))
+        dq = <vb_deferred*>boot_defer(&ch.boot, sizeof(vb_deferred), ctx)
         if dq == NULL:
             return fab_fail(fch, ENOMEM, "send")
-        dq.next = NULL
-        dq.ctx = ctx
         dq.n = n
         dq.inline_ = inl
         memcpy(dq.sge, sge, n * sizeof(ibv_sge))
-        if ch.deferred_tail == NULL:
-            ch.deferred = dq
-        else:
-            ch.deferred_tail.next = dq
-        ch.deferred_tail = dq
         return FAB_PENDING
     rc = fab_ib_post_send(ch.qp, sge, n, ctx, inl)
     if rc != 0:
@@ -470,7 +459,6 @@ cdef int vb_arm(fab_channel* fch, uint32_t* events) noexcept nogil:
 cdef void vb_close(fab_channel* fch) noexcept nogil:
     cdef vb_chan* ch = <vb_chan*>fch
     cdef fab_regnode* node
-    cdef vb_deferred* dq
     if ch.qp != NULL:
         fab_ib_qp_error(ch.qp)
         ibv_destroy_qp(ch.qp)      # no access to our memory after this
@@ -486,10 +474,6 @@ cdef void vb_close(fab_channel* fch) noexcept nogil:
         free(node)
     if ch.rmr != NULL:
         ibv_dereg_mr(ch.rmr)
-    while ch.deferred != NULL:
-        dq = ch.deferred
-        ch.deferred = dq.next
-        free(dq)
     free(ch.rbuf)
     free(ch.repost)
     boot_close(&ch.boot, fch)
