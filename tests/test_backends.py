@@ -253,77 +253,34 @@ def test_a_silent_peer_times_the_handshake_out(name):
         fab.close()
 
 
-class _Relay:
-    """Forwards one TCP connection to `target`, so a test can write into, or
-    end, the bootstrap socket of a live connection."""
-
-    def __init__(self, target):
-        import socket, threading
-        self.srv = socket.create_server(("127.0.0.1", 0))
-        self.address = "127.0.0.1:%d" % self.srv.getsockname()[1]
-        self.target = target
-        self.client = None
-        self.stop = False
-        self.thread = threading.Thread(target=self.run, daemon=True)
-        self.thread.start()
-
-    def run(self):
-        import select, socket
-        host, port = self.target.rsplit(":", 1)
-        self.client, _ = self.srv.accept()
-        self.upstream = socket.create_connection((host, int(port)))
-        pairs = {self.client: self.upstream, self.upstream: self.client}
-        while not self.stop:
-            ready, _, _ = select.select(list(pairs), [], [], 0.1)
-            for s in ready:
-                try:
-                    data = s.recv(65536)
-                except OSError:
-                    data = b""
-                if not data:
-                    return
-                pairs[s].sendall(data)
-
-    def close(self):
-        import socket
-        self.stop = True
-        self.thread.join(5)
-        for s in (self.client, self.upstream, self.srv):
-            if s is not None:
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                s.close()
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", ["ucx", "verbs"])
 @pytest.mark.parametrize("event", ["bytes", "end"])
 def test_the_bootstrap_socket_watches_the_peer(name, event, monkeypatch):
     """After the exchange the bootstrap socket is the liveness monitor: its end
     means the peer went away, a byte on it is a protocol error."""
-    import threading
+    import socket, threading
+    from tcp_proxy import Proxy
     _usable(name)
     if name == "ucx":
         monkeypatch.setenv("UCX_TLS", "tcp")
     a, b = fabric.Fabric(name, **small_options()), fabric.Fabric(name, **small_options())
     lst = b.listen("127.0.0.1:0")
-    relay = _Relay(lst.address)
+    relay = Proxy(int(lst.address.rsplit(":", 1)[1]))
     box = {}
     t = threading.Thread(target=lambda: box.setdefault("server", lst.accept(timeout=10)))
     t.start()
-    client = a.connect(relay.address, timeout=10)
+    client = a.connect(f"127.0.0.1:{relay.port}", timeout=10)
     t.join(10)
     server = box["server"]
     try:
         client.send(b"before")
         assert bytes(server.recv(timeout=10)) == b"before"
         if event == "bytes":
-            relay.client.sendall(b"x")
+            relay.socks[0].sendall(b"x")          # to the client, on its bootstrap socket
             error, reason = fabric.ProtocolError, "unexpected bytes on the bootstrap connection"
         else:
-            relay.close()
+            relay.socks[0].shutdown(socket.SHUT_RDWR)   # the relay then ends the server's side too
             error, reason = fabric.ConnectionLost, "peer closed the connection"
         with pytest.raises(error) as info:
             client.recv(timeout=10)
