@@ -63,6 +63,7 @@ def find_ucx():
 extensions = [
     ext("fabric.backends.interface"),
     ext("fabric.backends.sockets"),
+    ext("fabric.backends.bootstrap"),   # the ucx and verbs connection set-up
     ext("fabric.backends.tcp"),
     ext("fabric.protocol.frame"),
     ext("fabric.protocol.engine"),

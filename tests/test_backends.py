@@ -3,6 +3,7 @@ import pytest
 
 import fabric
 from fabric import backends
+from conftest import small_options
 
 
 def test_auto_picks_a_usable_backend(monkeypatch):
@@ -171,3 +172,121 @@ def test_explain_auto_agrees_with_get(monkeypatch, ucx_tls):
             assert why == backends.available()[name][1]
             assert f"{name} unusable: {backends.short_reason(why)}" in backends.auto_reasons()
     assert backends.auto_summary().startswith(f"auto picks {picked}")
+
+
+# ------------------------------------------------ the ucx and verbs bootstrap
+
+def _usable(name):
+    ok, reason = backends.available()[name]
+    if not ok:
+        pytest.skip(f"backend {name} unavailable here: {reason}")
+
+
+def _le(*fields):
+    import struct
+    return b"".join(struct.pack("<" + f, v) for f, v in fields)
+
+
+UCX_HEAD = lambda version=3, flags=0, alen=100: (b"FUCX" + _le(("H", version), ("H", flags), ("Q", 1), ("I", alen))
+                                                 + bytes(32))
+VERBS_MSG = lambda magic=b"FIBV", version=1, mtu=3: (magic + _le(("I", version), ("I", 1), ("I", 1)) + bytes(16)
+                                                     + _le(("H", 0), ("B", mtu), ("B", 0), ("I", 1)))
+
+BAD_BOOTSTRAPS = [
+    ("ucx", b"XXXX" + UCX_HEAD()[4:], False, "peer is not a fabric ucx endpoint of this version (bad bootstrap)"),
+    ("ucx", UCX_HEAD(version=2), False, "peer is not a fabric ucx endpoint of this version (bad bootstrap)"),
+    ("ucx", UCX_HEAD(flags=4), False, "peer sent unknown bootstrap flags"),
+    ("ucx", UCX_HEAD(alen=0), False, "peer sent an implausible UCX worker address"),
+    ("ucx", UCX_HEAD(alen=65537), False, "peer sent an implausible UCX worker address"),
+    ("ucx", UCX_HEAD()[:30], True, "peer closed the bootstrap connection"),
+    ("ucx", UCX_HEAD() + bytes(50), True, "peer closed the bootstrap connection"),
+    ("verbs", VERBS_MSG(magic=b"FUCX"), False, "peer is not a fabric verbs endpoint (bad bootstrap)"),
+    ("verbs", VERBS_MSG(version=2), False, "peer is not a fabric verbs endpoint (bad bootstrap)"),
+    ("verbs", VERBS_MSG(mtu=0), False, "peer is not a fabric verbs endpoint (bad bootstrap)"),
+    ("verbs", VERBS_MSG(mtu=6), False, "peer is not a fabric verbs endpoint (bad bootstrap)"),
+    ("verbs", VERBS_MSG()[:20], True, "peer closed the bootstrap connection"),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name,reply,then_close,reason", BAD_BOOTSTRAPS)
+def test_a_bad_bootstrap_fails_the_connect_with_its_reason(name, reply, then_close, reason):
+    """What a peer that is not ours (or that dies mid-bootstrap) makes connect() say."""
+    import socket, threading
+    _usable(name)
+    srv = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def serve():
+        conn, _ = srv.accept()
+        conn.sendall(reply)
+        if then_close:
+            conn.shutdown(socket.SHUT_WR)    # an end, not a reset: our message stays unread
+        done.wait(10)
+        conn.close()
+
+    t = threading.Thread(target=serve)
+    t.start()
+    fab = fabric.Fabric(name, handshake_timeout=5.0)
+    try:
+        with pytest.raises(fabric.ConnectionLost) as info:
+            fab.connect(f"127.0.0.1:{srv.getsockname()[1]}", timeout=10)
+        assert reason in str(info.value)
+    finally:
+        done.set()
+        t.join(10)
+        srv.close()
+        fab.close()
+
+
+@pytest.mark.parametrize("name", ["ucx", "verbs"])
+def test_a_silent_peer_times_the_handshake_out(name):
+    import socket
+    _usable(name)
+    srv = socket.create_server(("127.0.0.1", 0))
+    fab = fabric.Fabric(name, handshake_timeout=1.0)
+    try:
+        with pytest.raises(fabric.Timeout, match="no handshake from the peer"):
+            fab.connect(f"127.0.0.1:{srv.getsockname()[1]}", timeout=10)
+    finally:
+        srv.close()
+        fab.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["ucx", "verbs"])
+@pytest.mark.parametrize("event", ["bytes", "end"])
+def test_the_bootstrap_socket_watches_the_peer(name, event, monkeypatch):
+    """After the exchange the bootstrap socket is the liveness monitor: its end
+    means the peer went away, a byte on it is a protocol error."""
+    import socket, threading
+    from tcp_proxy import Proxy
+    _usable(name)
+    if name == "ucx":
+        monkeypatch.setenv("UCX_TLS", "tcp")
+    a, b = fabric.Fabric(name, **small_options()), fabric.Fabric(name, **small_options())
+    lst = b.listen("127.0.0.1:0")
+    relay = Proxy(int(lst.address.rsplit(":", 1)[1]))
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("server", lst.accept(timeout=10)))
+    t.start()
+    client = a.connect(f"127.0.0.1:{relay.port}", timeout=10)
+    t.join(10)
+    server = box["server"]
+    try:
+        client.send(b"before")
+        assert bytes(server.recv(timeout=10)) == b"before"
+        if event == "bytes":
+            relay.socks[0].sendall(b"x")          # to the client, on its bootstrap socket
+            error, reason = fabric.ProtocolError, "unexpected bytes on the bootstrap connection"
+        else:
+            relay.socks[0].shutdown(socket.SHUT_RDWR)   # the relay then ends the server's side too
+            error, reason = fabric.ConnectionLost, "peer closed the connection"
+        with pytest.raises(error) as info:
+            client.recv(timeout=10)
+        assert reason in str(info.value)
+    finally:
+        relay.close()
+        client.close()
+        server.close()
+        lst.close()

@@ -2,12 +2,12 @@
 """The UCX fabric: UCP bound directly (see ucx_shim.h for the few wrappers).
 
 Per Fabric, one UCP context and worker (the "domain"). Connections are set up
-by a TCP bootstrap that exchanges worker addresses and channel keys; the
-bootstrap socket stays open as a liveness monitor (UCX's own peer-failure
-detection covers the rest). Fabric messages travel as UCP active messages
-(always eager, whole, kept by UCX until the next poll: no copy); the engine's
-rendezvous pulls run on ucp_get_nbx from regions mapped with ucp_mem_map,
-whose packed rkeys travel in the engine's RNDV frames.
+by the TCP bootstrap (bootstrap.pyx) that exchanges worker addresses and
+channel keys; the bootstrap socket stays open as a liveness monitor (UCX's
+own peer-failure detection covers the rest). Fabric messages travel as UCP
+active messages (always eager, whole, kept by UCX until the next poll: no
+copy); the engine's rendezvous pulls run on ucp_get_nbx from regions mapped
+with ucp_mem_map, whose packed rkeys travel in the engine's RNDV frames.
 
 Waiting: the domain is the channels' hub (interface.pxd). Its fd is the UCX
 worker's event fd (ucp_worker_arm), watched once per Fabric; driving the
@@ -22,8 +22,10 @@ stay pending) keep the channel as a zombie of the domain until they complete
 or the domain goes.
 
 Bootstrap message, each way, little-endian:
-    "FUCX" | u16 version 2 | u16 flags | u64 channel key | u32 address length | address
-flags bit 0: this side can use UCX's peer-failure error handling. Both
+    "FUCX" | u16 version 3 | u16 flags | u64 channel key | u32 address length
+    | 32-byte host identity | address
+flags bit 0: this side can use UCX's peer-failure error handling; bit 1: it
+offers mode NONE to a peer of the same host identity (shared memory). Both
 endpoints of a connection must use the same error-handling mode (UCX refuses
 "asymmetric endpoint configuration"), so each side takes PEER only if both
 offer it; a side whose transports cannot (shared memory only) offers NONE.
@@ -39,8 +41,7 @@ from posix.unistd cimport getpid as c_getpid
 from fabric._posix cimport *
 from fabric._bytes cimport wr16, wr32, wr64, rd16, rd32, rd64
 from fabric.backends.interface cimport *
-from fabric.backends.sockets cimport (accept_socket, listen_socket,
-                                     local_and_peer_names, tune_socket)
+from fabric.backends.bootstrap cimport *
 
 cdef extern from "ucx_shim.h" nogil:
     ctypedef int ucs_status_t
@@ -140,7 +141,6 @@ cdef enum:
     R_PUT = 3
     R_LARGE_SEND = 4
     R_LARGE_RECV = 5
-    LIVENESS_EVERY = 256         # polls between checks of the bootstrap socket
     EIO_ = 5
     ECONNREFUSED_ = 111
 
@@ -170,8 +170,7 @@ cdef struct ucx_large:
     int waiting
 
 cdef struct ucx_deferred:
-    ucx_deferred* next
-    uint64_t ctx
+    boot_deferred link   # first: queued by the bootstrap until the endpoint exists
     int iovcnt
     ucp_dt_iov_t iov[1]  # iovcnt entries
 
@@ -199,20 +198,9 @@ cdef struct ucx_chan:
     uint64_t peer_key
     ucp_ep_h ep
     int state
-    int sock
+    fab_boot boot              # the bootstrap socket, then the liveness monitor
     int ep_failed
     int ep_peer_mode           # the UCP endpoint was made with error mode PEER
-    int peer_gone
-    uint32_t polls
-    # bootstrap
-    char* bout
-    size_t bout_len
-    size_t bout_done
-    char* bin
-    size_t bin_len
-    size_t bin_need
-    ucx_deferred* deferred
-    ucx_deferred* deferred_tail
     # completions
     ucx_event* q
     uint32_t qcap
@@ -242,11 +230,6 @@ cdef struct ucx_req:
     char header[16]            # lives until completion (UCX < 1.14 reads it late)
     int iovcnt
     ucp_dt_iov_t iov[1]
-
-cdef struct ucx_lst:
-    fab_listener base
-    ucx_domain* dom
-
 
 cdef fab_channel_ops UCX_OPS
 UCX_OPS.send = ucx_send
@@ -577,101 +560,76 @@ cdef int post_am(ucx_chan* ch, ucp_dt_iov_t* iov, int iovcnt, uint64_t ctx, int 
 cdef int boot_make(ucx_chan* ch) noexcept nogil:
     cdef ucp_address_t* address
     cdef size_t alen
+    cdef char* out
     if ucp_worker_get_address(ch.dom.worker, &address, &alen) != UCS_OK:
         return fail_ready(ch, EIO_, "ucp_worker_get_address failed")
-    ch.bout = <char*>malloc(BOOT_FIXED + alen)
-    if ch.bout == NULL:
+    out = boot_message(&ch.boot, &ch.base, BOOT_FIXED + alen)
+    if out == NULL:
         ucp_worker_release_address(ch.dom.worker, address)
         return fail_ready(ch, ENOMEM, "bootstrap")
-    wr32(ch.bout, BOOT_MAGIC)
-    wr16(ch.bout + 4, BOOT_VERSION)
-    wr16(ch.bout + 6, (BOOT_PEER_ERRORS if ch.dom.peer_errors else 0)
-                      | (BOOT_LOCAL_NONE if ch.dom.local_none else 0))
-    wr64(ch.bout + 8, ch.key)
-    wr32(ch.bout + 16, <uint32_t>alen)
-    memcpy(ch.bout + BOOT_HOST, ch.dom.host_id, HOST_ID)
-    memcpy(ch.bout + BOOT_FIXED, address, alen)
-    ch.bout_len = BOOT_FIXED + alen
+    wr32(out, BOOT_MAGIC)
+    wr16(out + 4, BOOT_VERSION)
+    wr16(out + 6, (BOOT_PEER_ERRORS if ch.dom.peer_errors else 0)
+                  | (BOOT_LOCAL_NONE if ch.dom.local_none else 0))
+    wr64(out + 8, ch.key)
+    wr32(out + 16, <uint32_t>alen)
+    memcpy(out + BOOT_HOST, ch.dom.host_id, HOST_ID)
+    memcpy(out + BOOT_FIXED, address, alen)
     ucp_worker_release_address(ch.dom.worker, address)
-    ch.bin = <char*>malloc(BOOT_FIXED)
-    ch.bin_need = BOOT_FIXED
-    if ch.bin == NULL:
-        return fail_ready(ch, ENOMEM, "bootstrap")
     return 0
 
-cdef int boot_progress(ucx_chan* ch) noexcept nogil:
+cdef Py_ssize_t boot_header(fab_channel* fch, const char* head) noexcept nogil:
+    """The peer's fixed header: its version and flags, and the length of the
+    worker address that follows."""
+    cdef uint32_t alen = rd32(head + 16)
+    if rd32(head) != BOOT_MAGIC or rd16(head + 4) != BOOT_VERSION:
+        return fab_fail(fch, EPROTO, "peer is not a fabric ucx endpoint of this version (bad bootstrap)")
+    if rd16(head + 6) & ~(BOOT_PEER_ERRORS | BOOT_LOCAL_NONE):
+        return fab_fail(fch, EPROTO, "peer sent unknown bootstrap flags")
+    if alen == 0 or alen > MAX_ADDRESS:
+        return fab_fail(fch, EPROTO, "peer sent an implausible UCX worker address")
+    return alen
+
+cdef int boot_step(ucx_chan* ch) noexcept nogil:
     """Exchange bootstrap messages without blocking; create the UCP endpoint
     once the peer's address is in. 0, or -errno."""
-    cdef ssize_t r
-    cdef uint32_t alen
-    cdef char* grown
+    cdef const char* head = ch.boot.head
     cdef ucx_deferred* dq
     cdef int rc
-    cdef epoll_event ev
     cdef ucs_status_t st
     cdef int peer_errors
-    while ch.bout_done < ch.bout_len:
-        r = send(ch.sock, ch.bout + ch.bout_done, ch.bout_len - ch.bout_done, MSG_DONTWAIT | MSG_NOSIGNAL)
-        if r < 0:
-            if errno == EAGAIN or errno == EINTR:
-                break
-            return fail_ready(ch, errno, "bootstrap send")
-        ch.bout_done += <size_t>r
-    while ch.bin_len < ch.bin_need:
-        r = recv(ch.sock, ch.bin + ch.bin_len, ch.bin_need - ch.bin_len, MSG_DONTWAIT)
-        if r == 0:
-            return fail_ready(ch, ECONNRESET, "peer closed the bootstrap connection")
-        if r < 0:
-            if errno == EAGAIN or errno == EINTR:
-                return 0
-            return fail_ready(ch, errno, "bootstrap recv")
-        ch.bin_len += <size_t>r
-        if ch.bin_len == BOOT_FIXED and ch.bin_need == BOOT_FIXED:
-            alen = rd32(ch.bin + 16)
-            if rd32(ch.bin) != BOOT_MAGIC or rd16(ch.bin + 4) != BOOT_VERSION:
-                return fail_ready(ch, EPROTO, "peer is not a fabric ucx endpoint of this version (bad bootstrap)")
-            if rd16(ch.bin + 6) & ~(BOOT_PEER_ERRORS | BOOT_LOCAL_NONE):
-                return fail_ready(ch, EPROTO, "peer sent unknown bootstrap flags")
-            if alen == 0 or alen > MAX_ADDRESS:
-                return fail_ready(ch, EPROTO, "peer sent an implausible UCX worker address")
-            grown = <char*>realloc(ch.bin, BOOT_FIXED + alen)
-            if grown == NULL:
-                return fail_ready(ch, ENOMEM, "bootstrap")
-            ch.bin = grown
-            ch.bin_need = BOOT_FIXED + alen
-    if ch.bout_done < ch.bout_len or ch.bin_len < ch.bin_need:
-        return 0
-    ch.peer_key = rd64(ch.bin + 8)
+    rc = boot_progress(&ch.boot, &ch.base, boot_header)
+    if rc < 0 and not ch.closed:
+        hub_mark_ready(&ch.dom.hub, &ch.base)       # the engine learns of it by polling
+    if rc <= 0:
+        return rc
+    ch.peer_key = rd64(head + 8)
     # Both sides derive the same mode from the two offers. PEER mode makes
     # UCX drop its shared-memory transports (they cannot report a failed
     # peer); two processes of one host that both offer NONE use them, and
     # learn of a dead peer from the bootstrap socket, as with UCX_TLS=sm.
-    peer_errors = ch.dom.peer_errors and (rd16(ch.bin + 6) & BOOT_PEER_ERRORS)
-    if (peer_errors and ch.dom.local_none and (rd16(ch.bin + 6) & BOOT_LOCAL_NONE)
-            and memcmp(ch.bin + BOOT_HOST, ch.dom.host_id, HOST_ID) == 0):
+    peer_errors = ch.dom.peer_errors and (rd16(head + 6) & BOOT_PEER_ERRORS)
+    if (peer_errors and ch.dom.local_none and (rd16(head + 6) & BOOT_LOCAL_NONE)
+            and memcmp(head + BOOT_HOST, ch.dom.host_id, HOST_ID) == 0):
         peer_errors = 0
         # shared memory's GET (cma) is real: the engine may pull again (its
         # pulls fail cleanly with the peer, UCX's rendezvous sends would not)
         ch.base.caps &= ~FAB_CAP_LARGE_NATIVE_ONLY
-    st = fab_ucx_ep_create(ch.dom.worker, <ucp_address_t*>(ch.bin + BOOT_FIXED), peer_errors,
+    st = fab_ucx_ep_create(ch.dom.worker, <ucp_address_t*>ch.boot.payload, peer_errors,
                            on_ep_error, ch, &ch.ep)
     if st != UCS_OK:
         return fail_ready(ch, ECONNREFUSED_, "cannot reach the peer's UCX worker (check UCX_TLS on both sides)")
     ch.ep_peer_mode = peer_errors
     ch.dom.eps_open += 1
     ch.state = ST_READY
-    free(ch.bin)
-    free(ch.bout)
-    ch.bin = ch.bout = NULL
-    # the socket now only tells us if the peer goes away
-    while ch.deferred != NULL:
-        dq = ch.deferred
-        ch.deferred = dq.next
-        rc = post_am(ch, dq.iov, dq.iovcnt, dq.ctx, 1)
+    boot_release(&ch.boot)      # the socket now only tells us if the peer goes away
+    dq = <ucx_deferred*>boot_next_deferred(&ch.boot)
+    while dq != NULL:
+        rc = post_am(ch, dq.iov, dq.iovcnt, dq.link.ctx, 1)
         free(dq)
         if rc < 0:
             return rc
-    ch.deferred_tail = NULL
+        dq = <ucx_deferred*>boot_next_deferred(&ch.boot)
     return 0
 
 
@@ -835,18 +793,11 @@ cdef int ucx_send(fab_channel* fch, iovec* iov, fab_mr** mrs, int iovcnt, uint64
         v[i].buffer = iov[i].iov_base
         v[i].length = iov[i].iov_len
     if ch.state != ST_READY:
-        dq = <ucx_deferred*>malloc(sizeof(ucx_deferred) + iovcnt * sizeof(ucp_dt_iov_t))
+        dq = <ucx_deferred*>boot_defer(&ch.boot, sizeof(ucx_deferred) + iovcnt * sizeof(ucp_dt_iov_t), ctx)
         if dq == NULL:
             return fab_fail(fch, ENOMEM, "send")
-        dq.next = NULL
-        dq.ctx = ctx
         dq.iovcnt = iovcnt
         memcpy(dq.iov, v, iovcnt * sizeof(ucp_dt_iov_t))
-        if ch.deferred_tail == NULL:
-            ch.deferred = dq
-        else:
-            ch.deferred_tail.next = dq
-        ch.deferred_tail = dq
         return FAB_PENDING
     return post_am(ch, v, iovcnt, ctx, 0)
 
@@ -928,15 +879,6 @@ cdef int ucx_read(fab_channel* fch, void* dst, fab_mr* dst_mr, size_t length, ui
 cdef int ucx_cancel_read(fab_channel* fch, uint64_t ctx) noexcept nogil:
     return 1        # a UCP get cannot be withdrawn: wait for its completion
 
-cdef void check_liveness(ucx_chan* ch) noexcept nogil:
-    """The bootstrap socket closes when the peer process goes away."""
-    cdef char b
-    cdef ssize_t r = recv(ch.sock, &b, 1, MSG_DONTWAIT)
-    if r == 0 or (r < 0 and errno != EAGAIN and errno != EINTR):
-        ch.peer_gone = 1
-    elif r > 0:
-        fail_ready(ch, EPROTO, "unexpected bytes on the bootstrap connection")
-
 cdef int ucx_poll(fab_channel* fch, fab_completion* out, int max_events) noexcept nogil:
     """Deliver what the hub queued for this channel (the hub drives the UCX
     worker); progress the bootstrap; watch the bootstrap socket."""
@@ -950,11 +892,9 @@ cdef int ucx_poll(fab_channel* fch, fab_completion* out, int max_events) noexcep
         release_data(ch, &ch.handed[i])
     ch.nhanded = 0
     if not fch.failed and ch.state == ST_BOOT:
-        boot_progress(ch)
-    ch.polls += 1
-    if (ch.state == ST_READY and not ch.peer_gone
-            and (fch.revents or (ch.polls % LIVENESS_EVERY) == 0)):
-        check_liveness(ch)
+        boot_step(ch)
+    if boot_watch(&ch.boot, fch, ch.state == ST_READY) < 0:
+        hub_mark_ready(&ch.dom.hub, fch)
     while ch.qcount > 0 and n < max_events:
         ev = &ch.q[ch.qhead]
         out[n].kind = ev.kind
@@ -975,7 +915,7 @@ cdef int ucx_poll(fab_channel* fch, fab_completion* out, int max_events) noexcep
             ch.nhanded += 1
         ch.qhead = (ch.qhead + 1) % ch.qcap
         ch.qcount -= 1
-    if ch.peer_gone and ch.qcount == 0 and not fch.failed:
+    if ch.boot.peer_gone and ch.qcount == 0 and not fch.failed:
         # everything the peer sent before leaving has been delivered above
         fab_fail(fch, ECONNRESET, "peer closed the connection")
     if fch.failed and ch.qcount == 0 and n < max_events:
@@ -990,13 +930,9 @@ cdef int ucx_poll(fab_channel* fch, fab_completion* out, int max_events) noexcep
 cdef int ucx_arm(fab_channel* fch, uint32_t* events) noexcept nogil:
     """The socket's events (the hub arms the UCX worker itself)."""
     cdef ucx_chan* ch = <ucx_chan*>fch
-    if fch.failed or ch.qcount > 0 or ch.peer_gone:
+    if fch.failed or ch.qcount > 0 or ch.boot.peer_gone:
         return 1
-    if ch.state == ST_READY:
-        events[0] = EPOLLIN            # the peer going away
-    else:
-        # bootstrap: readable for the peer's message, writable while ours is out
-        events[0] = EPOLLIN | (EPOLLOUT if ch.bout_done < ch.bout_len else 0)
+    events[0] = boot_events(&ch.boot)  # the bootstrap, then the peer going away
     return 0
 
 cdef void ucx_close(fab_channel* fch) noexcept nogil:
@@ -1006,7 +942,6 @@ cdef void ucx_close(fab_channel* fch) noexcept nogil:
     cdef ucx_chan* ch = <ucx_chan*>fch
     cdef double deadline
     cdef fab_regnode* node
-    cdef ucx_deferred* dq
     cdef ucx_large* lg
     cdef uint32_t i
     cdef ucx_domain* d = ch.dom
@@ -1019,7 +954,7 @@ cdef void ucx_close(fab_channel* fch) noexcept nogil:
     close_endpoint(ch)
     # Cancelled requests of a live peer complete within a few progress
     # rounds; a peer that is gone may never let them: do not wait for it.
-    if not (ch.peer_gone or ch.ep_failed or d.closing):
+    if not (ch.boot.peer_gone or ch.ep_failed or d.closing):
         deadline = monotonic_now() + CLOSE_GRACE
         while (ch.reqs != NULL or close_pending(ch)) and monotonic_now() < deadline:
             ucp_worker_progress(d.worker)
@@ -1031,10 +966,6 @@ cdef void ucx_close(fab_channel* fch) noexcept nogil:
         ch.mrs = node.next
         ucp_mem_unmap(d.context, <ucp_mem_h>node.handle)
         free(node)
-    while ch.deferred != NULL:
-        dq = ch.deferred
-        ch.deferred = dq.next
-        free(dq)
     while ch.large != NULL:
         lg = ch.large
         ch.large = lg.next
@@ -1044,13 +975,7 @@ cdef void ucx_close(fab_channel* fch) noexcept nogil:
             else:
                 ucp_am_data_release(d.worker, lg.desc)
         free(lg)
-    free(ch.bin)
-    free(ch.bout)
-    ch.bin = ch.bout = NULL
-    if ch.sock >= 0:
-        close(ch.sock)
-    ch.sock = -1
-    fch.fd = -1
+    boot_close(&ch.boot, fch)
     ch.released = 1
     if ch.reqs != NULL or close_pending(ch):
         ch.is_zombie = 1
@@ -1065,11 +990,13 @@ cdef void ucx_close(fab_channel* fch) noexcept nogil:
 
 # ------------------------------------------------------------- set-up
 
-cdef fab_channel* new_channel(ucx_domain* d, int sock, size_t max_recv) noexcept nogil:
-    """A channel in bootstrap on a connected socket; NULL (fd not closed) if
-    none can be made."""
+cdef fab_channel* new_channel(void* domain, int sock, size_t max_recv, uint32_t recv_depth) noexcept nogil:
+    """A channel in bootstrap on a connected socket (it attaches dialled ones
+    and the listener's); NULL, sock closed, if none can be made."""
+    cdef ucx_domain* d = <ucx_domain*>domain
     cdef ucx_chan* ch = <ucx_chan*>calloc(1, sizeof(ucx_chan))
     if ch == NULL:
+        close(sock)
         return NULL
     ch.base.ops = &UCX_OPS
     ch.base.caps = (FAB_CAP_NATIVE_READ | FAB_CAP_SEND_ANY_MEMORY | FAB_CAP_READ_ANY_MEMORY
@@ -1084,44 +1011,24 @@ cdef fab_channel* new_channel(ucx_domain* d, int sock, size_t max_recv) noexcept
     ch.base.max_recv = max_recv
     ch.base.send_depth = 64
     ch.base.hub = &d.hub
-    ch.base.fd = sock
     ch.dom = d
-    ch.sock = sock
     ch.state = ST_BOOT
-    if d.closing:
-        free(ch)
-        return NULL
-    ch.key = domain_add(d, ch)
+    if not d.closing:
+        ch.key = domain_add(d, ch)
     if ch.key == 0:
         free(ch)
+        close(sock)
         return NULL
     domain_ref(&d.refs)
-    local_and_peer_names(sock, ch.base.local_name, ch.base.peer_name, 64)
+    boot_init(&ch.boot, &ch.base, sock, BOOT_FIXED)
     if boot_make(ch) < 0:
         return &ch.base           # failed: the engine reports it and closes
-    boot_progress(ch)
+    boot_step(ch)
     return &ch.base
 
 
-cdef int ucx_accept(fab_listener* lst, size_t max_recv, fab_channel** out) noexcept nogil:
-    cdef ucx_lst* l = <ucx_lst*>lst
-    cdef int fd = accept_socket(lst.fd)
-    if fd < 0:
-        return EAGAIN if fd == -EAGAIN else fd
-    tune_socket(fd, 30000, 10)
-    out[0] = new_channel(l.dom, fd, max_recv)
-    if out[0] == NULL:
-        close(fd)
-        return -ENOMEM
-    return 0
-
-
-cdef void ucx_close_listener(fab_listener* lst) noexcept nogil:
-    cdef ucx_lst* l = <ucx_lst*>lst
-    if lst.fd >= 0:
-        close(lst.fd)
-    domain_unref(l.dom)
-    free(lst)
+cdef void unref_domain(void* d) noexcept nogil:
+    domain_unref(<ucx_domain*>d)
 
 
 # The process that initialised UCX (0: none yet). UCX keeps process-wide
@@ -1250,29 +1157,11 @@ cdef class UcxBackend(Backend):
 
     cdef fab_listener* listen(self, object domain, str host, int port, dict options) except NULL:
         cdef ucx_domain* d = (<UcxDomain?>domain).d
-        cdef ucx_lst* l = <ucx_lst*>calloc(1, sizeof(ucx_lst))
-        if l == NULL:
-            raise MemoryError()
-        try:
-            l.base.fd = listen_socket(host, port, l.base.address, 96)
-        except BaseException:
-            free(l)
-            raise
-        l.base.accept = ucx_accept
-        l.base.close = ucx_close_listener
-        l.dom = d
-        domain_ref(&d.refs)
-        return &l.base
+        return boot_listen(host, port, d, &d.refs, 0, new_channel, unref_domain)
 
     cdef int prepare_attach(self, object domain, dict options, fab_attach* out) except -1:
-        out.attach = ucx_attach
+        out.attach = new_channel
         out.domain = (<UcxDomain?>domain).d
         out.recv_depth = recv_depth_for(options)
         return 0
 
-
-cdef fab_channel* ucx_attach(void* domain, int fd, size_t max_recv, uint32_t recv_depth) noexcept nogil:
-    cdef fab_channel* ch = new_channel(<ucx_domain*>domain, fd, max_recv)
-    if ch == NULL:
-        close(fd)
-    return ch

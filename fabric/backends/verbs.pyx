@@ -4,9 +4,10 @@
 Per Fabric: the device context, a protection domain and one completion
 channel (the "domain", also the channels' hub: one descriptor to wait on for
 every connection of the Fabric; a CQ event names its channel). Per
-connection: a CQ and an RC QP, connected through a TCP bootstrap that
-exchanges QPN, PSN, GID, LID, path MTU and read depth; the socket stays open
-as a liveness monitor and is the channel's own descriptor. Receives land in a registered pool of
+connection: a CQ and an RC QP, connected through the TCP bootstrap
+(bootstrap.pyx) that exchanges QPN, PSN, GID, LID, path MTU and read depth;
+the socket stays open as a liveness monitor and is the channel's own
+descriptor. Receives land in a registered pool of
 `recv_depth` buffers posted before the bootstrap completes; sends are SENDs
 (inline up to max_inline_data); the engine's pulls are RDMA READs. The QP
 grants remote READ only: a peer can never write into our memory, and can read
@@ -32,8 +33,7 @@ from posix.unistd cimport getpid as c_getpid
 from fabric._posix cimport *
 from fabric._bytes cimport wr32, rd32
 from fabric.backends.interface cimport *
-from fabric.backends.sockets cimport (accept_socket, listen_socket,
-                                     local_and_peer_names, tune_socket)
+from fabric.backends.bootstrap cimport *
 
 cdef extern from "<fcntl.h>" nogil:
     int fcntl(int fd, int cmd, ...)
@@ -112,7 +112,6 @@ cdef enum:
     SEND_DEPTH = 64              # SEND work requests in flight
     READ_DEPTH = 64              # RDMA READs in flight (the device caps them further)
     STASH = 32
-    LIVENESS_EVERY = 256
     EACCES_ = 13
     EIO_ = 5
 
@@ -135,8 +134,7 @@ cdef struct vb_domain:
     int refs
 
 cdef struct vb_deferred:
-    vb_deferred* next
-    uint64_t ctx
+    boot_deferred link          # first: queued by the bootstrap until the QP is connected
     int n
     int inline_
     ibv_sge sge[16]
@@ -148,32 +146,18 @@ cdef struct vb_chan:
     ibv_qp* qp
     uint32_t max_inline
     uint32_t psn
-    int sock
+    fab_boot boot               # the bootstrap socket, then the liveness monitor
     int state
-    int peer_gone
-    uint32_t polls
     unsigned int unacked
-    char bout[BOOT_SIZE]
-    size_t bout_done
-    char bin[BOOT_SIZE]
-    size_t bin_len
     char* rbuf
     ibv_mr* rmr
     uint32_t depth
     size_t slot
     uint32_t* repost
     uint32_t nrepost
-    vb_deferred* deferred
-    vb_deferred* deferred_tail
     fab_regnode* mrs
     ibv_wc stash[STASH]
     int nstash
-
-cdef struct vb_lst:
-    fab_listener base
-    vb_domain* dom
-    uint32_t depth
-
 
 cdef fab_channel_ops VB_OPS
 VB_OPS.send = vb_send
@@ -246,16 +230,17 @@ cdef class VerbsDomain:
 
 cdef int go_ready(vb_chan* ch) noexcept nogil:
     cdef vb_domain* d = ch.dom
-    cdef uint32_t qpn = rd32(ch.bin + 8), psn = rd32(ch.bin + 12)
+    cdef const char* bin = ch.boot.head
+    cdef uint32_t qpn = rd32(bin + 8), psn = rd32(bin + 12)
     cdef uint16_t lid
-    cdef int mtu = <uint8_t>ch.bin[34]
-    cdef uint32_t peer_rd = rd32(ch.bin + 36)
+    cdef int mtu = <uint8_t>bin[34]
+    cdef uint32_t peer_rd = rd32(bin + 36)
     cdef uint32_t rd = d.max_rd_atomic
     cdef vb_deferred* dq
     cdef epoll_event ev
     cdef int rc
-    memcpy(&lid, ch.bin + 32, 2)
-    if rd32(ch.bin) != BOOT_MAGIC or rd32(ch.bin + 4) != 1 or mtu < 1 or mtu > 5:
+    memcpy(&lid, bin + 32, 2)
+    if rd32(bin) != BOOT_MAGIC or rd32(bin + 4) != 1 or mtu < 1 or mtu > 5:
         return fab_fail(&ch.base, EPROTO, "peer is not a fabric verbs endpoint (bad bootstrap)")
     if mtu > d.active_mtu:
         mtu = d.active_mtu          # path MTU: the smaller port MTU
@@ -263,7 +248,7 @@ cdef int go_ready(vb_chan* ch) noexcept nogil:
         rd = peer_rd
     if rd < 1:
         rd = 1
-    rc = fab_ib_qp_rtr(ch.qp, d.port, mtu, qpn, psn, <uint8_t*>(ch.bin + 16), lid, d.gid_index,
+    rc = fab_ib_qp_rtr(ch.qp, d.port, mtu, qpn, psn, <uint8_t*>(bin + 16), lid, d.gid_index,
                        d.is_eth, d.max_rd_atomic)
     if rc != 0:
         return fab_fail(&ch.base, rc, "moving the queue pair to RTR failed (GID/port choice?)")
@@ -271,36 +256,22 @@ cdef int go_ready(vb_chan* ch) noexcept nogil:
     if rc != 0:
         return fab_fail(&ch.base, rc, "moving the queue pair to RTS failed")
     ch.state = ST_READY
-    while ch.deferred != NULL:
-        dq = ch.deferred
-        ch.deferred = dq.next
-        rc = fab_ib_post_send(ch.qp, dq.sge, dq.n, dq.ctx, dq.inline_)
+    dq = <vb_deferred*>boot_next_deferred(&ch.boot)
+    while dq != NULL:
+        rc = fab_ib_post_send(ch.qp, dq.sge, dq.n, dq.link.ctx, dq.inline_)
         free(dq)
         if rc != 0:
             return fab_fail(&ch.base, rc, "ibv_post_send")
-    ch.deferred_tail = NULL
+        dq = <vb_deferred*>boot_next_deferred(&ch.boot)
     return 0
 
-cdef int boot_progress(vb_chan* ch) noexcept nogil:
-    cdef ssize_t r
-    while ch.bout_done < BOOT_SIZE:
-        r = send(ch.sock, ch.bout + ch.bout_done, BOOT_SIZE - ch.bout_done, MSG_DONTWAIT | MSG_NOSIGNAL)
-        if r < 0:
-            if errno == EAGAIN or errno == EINTR:
-                break
-            return fab_fail(&ch.base, errno, "bootstrap send")
-        ch.bout_done += <size_t>r
-    while ch.bin_len < BOOT_SIZE:
-        r = recv(ch.sock, ch.bin + ch.bin_len, BOOT_SIZE - ch.bin_len, MSG_DONTWAIT)
-        if r == 0:
-            return fab_fail(&ch.base, ECONNRESET, "peer closed the bootstrap connection")
-        if r < 0:
-            if errno == EAGAIN or errno == EINTR:
-                return 0
-            return fab_fail(&ch.base, errno, "bootstrap recv")
-        ch.bin_len += <size_t>r
-    if ch.bout_done < BOOT_SIZE:
-        return 0
+cdef int boot_step(vb_chan* ch) noexcept nogil:
+    """Exchange the fixed-size bootstrap messages; connect the QP once both
+    are through. 0, or -errno."""
+    cdef int rc = boot_progress(&ch.boot, &ch.base, NULL)
+    if rc <= 0:
+        return rc
+    boot_release(&ch.boot)      # the peer's message stays in boot.head
     return go_ready(ch)
 
 
@@ -328,19 +299,12 @@ cdef int vb_send(fab_channel* fch, iovec* iov, fab_mr** mrs, int iovcnt, uint64_
     if not inl and mrs == NULL:
         return -EINVAL           # the engine registers what it sends here
     if ch.state != ST_READY:
-        dq = <vb_deferred*>malloc(sizeof(vb_deferred))
+        dq = <vb_deferred*>boot_defer(&ch.boot, sizeof(vb_deferred), ctx)
         if dq == NULL:
             return fab_fail(fch, ENOMEM, "send")
-        dq.next = NULL
-        dq.ctx = ctx
         dq.n = n
         dq.inline_ = inl
         memcpy(dq.sge, sge, n * sizeof(ibv_sge))
-        if ch.deferred_tail == NULL:
-            ch.deferred = dq
-        else:
-            ch.deferred_tail.next = dq
-        ch.deferred_tail = dq
         return FAB_PENDING
     rc = fab_ib_post_send(ch.qp, sge, n, ctx, inl)
     if rc != 0:
@@ -396,14 +360,6 @@ cdef int vb_read(fab_channel* fch, void* dst, fab_mr* dst_mr, size_t length, uin
 cdef int vb_cancel_read(fab_channel* fch, uint64_t ctx) noexcept nogil:
     return 1        # an RDMA READ cannot be withdrawn: wait for it
 
-cdef void check_liveness(vb_chan* ch) noexcept nogil:
-    cdef char b
-    cdef ssize_t r = recv(ch.sock, &b, 1, MSG_DONTWAIT)
-    if r == 0 or (r < 0 and errno != EAGAIN and errno != EINTR):
-        ch.peer_gone = 1
-    elif r > 0:
-        fab_fail(&ch.base, EPROTO, "unexpected bytes on the bootstrap connection")
-
 cdef int emit_wc(vb_chan* ch, ibv_wc* wc, fab_completion* out, int n) noexcept nogil:
     cdef uint32_t slot
     if wc.wr_id & WR_RECV:
@@ -454,7 +410,7 @@ cdef int vb_poll(fab_channel* fch, fab_completion* out, int max_events) noexcept
             fab_fail(fch, EIO_, "ibv_post_recv")
     ch.nrepost = 0
     if ch.state == ST_BOOT and not fch.failed:
-        boot_progress(ch)
+        boot_step(ch)
     if ch.unacked >= 16:
         ibv_ack_cq_events(ch.cq, ch.unacked)
         ch.unacked = 0
@@ -472,10 +428,8 @@ cdef int vb_poll(fab_channel* fch, fab_completion* out, int max_events) noexcept
         fch.activity += 1
         for i in range(got):
             n = emit_wc(ch, &wc[i], out, n)
-    ch.polls += 1
-    if ch.state == ST_READY and not ch.peer_gone and (fch.revents or ch.polls % LIVENESS_EVERY == 0):
-        check_liveness(ch)
-    if ch.peer_gone and n == 0 and not fch.failed:
+    boot_watch(&ch.boot, fch, ch.state == ST_READY)
+    if ch.boot.peer_gone and n == 0 and not fch.failed:
         fab_fail(fch, ECONNRESET, "peer closed the connection")
     if fch.failed and n < max_events:
         out[n].kind = FAB_EV_FAILED
@@ -491,7 +445,7 @@ cdef int vb_arm(fab_channel* fch, uint32_t* events) noexcept nogil:
     socket's events: the peer going away, or the bootstrap."""
     cdef vb_chan* ch = <vb_chan*>fch
     cdef int got
-    if fch.failed or ch.peer_gone or ch.nstash > 0 or ch.nrepost > 0:
+    if fch.failed or ch.boot.peer_gone or ch.nstash > 0 or ch.nrepost > 0:
         return 1
     ibv_req_notify_cq(ch.cq, 0)
     # a completion that arrived before the request would not be signalled
@@ -499,16 +453,12 @@ cdef int vb_arm(fab_channel* fch, uint32_t* events) noexcept nogil:
     if got > 0:
         ch.nstash = got
         return 1
-    if ch.state == ST_READY:
-        events[0] = EPOLLIN
-    else:
-        events[0] = EPOLLIN | (EPOLLOUT if ch.bout_done < BOOT_SIZE else 0)
+    events[0] = boot_events(&ch.boot)
     return 0
 
 cdef void vb_close(fab_channel* fch) noexcept nogil:
     cdef vb_chan* ch = <vb_chan*>fch
     cdef fab_regnode* node
-    cdef vb_deferred* dq
     if ch.qp != NULL:
         fab_ib_qp_error(ch.qp)
         ibv_destroy_qp(ch.qp)      # no access to our memory after this
@@ -524,25 +474,24 @@ cdef void vb_close(fab_channel* fch) noexcept nogil:
         free(node)
     if ch.rmr != NULL:
         ibv_dereg_mr(ch.rmr)
-    while ch.deferred != NULL:
-        dq = ch.deferred
-        ch.deferred = dq.next
-        free(dq)
     free(ch.rbuf)
     free(ch.repost)
-    if ch.sock >= 0:
-        close(ch.sock)
-    fch.fd = -1
+    boot_close(&ch.boot, fch)
     domain_unref(ch.dom)
     free(ch)
 
 
 # ----------------------------------------------------------------- set-up
 
-cdef fab_channel* new_channel(vb_domain* d, int sock, size_t max_recv, uint32_t depth) noexcept nogil:
+cdef fab_channel* new_channel(void* domain, int sock, size_t max_recv, uint32_t depth) noexcept nogil:
+    """A channel in bootstrap on a connected socket (dialled or accepted); a
+    failed one if its resources cannot be had; NULL, sock closed, if none."""
+    cdef vb_domain* d = <vb_domain*>domain
     cdef vb_chan* ch = <vb_chan*>calloc(1, sizeof(vb_chan))
     cdef uint32_t i, psn = 0
+    cdef char* out
     if ch == NULL:
+        close(sock)
         return NULL
     ch.base.ops = &VB_OPS
     ch.base.hub = &d.hub
@@ -552,10 +501,8 @@ cdef fab_channel* new_channel(vb_domain* d, int sock, size_t max_recv, uint32_t 
     ch.base.send_depth = SEND_DEPTH
     ch.dom = d
     domain_ref(&d.refs)
-    ch.sock = sock
     ch.state = ST_BOOT
-    ch.base.fd = sock
-    local_and_peer_names(sock, ch.base.local_name, ch.base.peer_name, 64)
+    boot_init(&ch.boot, &ch.base, sock, BOOT_SIZE)
     ch.slot = max_recv
     ch.depth = depth
     ch.rbuf = <char*>malloc(depth * max_recv)
@@ -583,38 +530,24 @@ cdef fab_channel* new_channel(vb_domain* d, int sock, size_t max_recv, uint32_t 
             return &ch.base
     getrandom(&psn, sizeof(psn), 0)
     ch.psn = psn & 0xFFFFFF
-    wr32(ch.bout, BOOT_MAGIC)
-    wr32(ch.bout + 4, 1)
-    wr32(ch.bout + 8, ch.qp.qp_num)
-    wr32(ch.bout + 12, ch.psn)
-    memcpy(ch.bout + 16, d.gid, 16)
-    memcpy(ch.bout + 32, &d.lid, 2)
-    ch.bout[34] = <char>d.active_mtu
-    ch.bout[35] = 0
-    wr32(ch.bout + 36, d.max_rd_atomic)
-    boot_progress(ch)
+    out = boot_message(&ch.boot, &ch.base, BOOT_SIZE)
+    if out == NULL:
+        return &ch.base
+    wr32(out, BOOT_MAGIC)
+    wr32(out + 4, 1)
+    wr32(out + 8, ch.qp.qp_num)
+    wr32(out + 12, ch.psn)
+    memcpy(out + 16, d.gid, 16)
+    memcpy(out + 32, &d.lid, 2)
+    out[34] = <char>d.active_mtu
+    out[35] = 0
+    wr32(out + 36, d.max_rd_atomic)
+    boot_step(ch)
     return &ch.base
 
 
-cdef int vb_accept(fab_listener* lst, size_t max_recv, fab_channel** out) noexcept nogil:
-    cdef vb_lst* l = <vb_lst*>lst
-    cdef int fd = accept_socket(lst.fd)
-    if fd < 0:
-        return EAGAIN if fd == -EAGAIN else fd
-    tune_socket(fd, 30000, 10)
-    out[0] = new_channel(l.dom, fd, max_recv, l.depth)
-    if out[0] == NULL:
-        close(fd)
-        return -ENOMEM
-    return 0
-
-
-cdef void vb_close_listener(fab_listener* lst) noexcept nogil:
-    cdef vb_lst* l = <vb_lst*>lst
-    if lst.fd >= 0:
-        close(lst.fd)
-    domain_unref(l.dom)
-    free(lst)
+cdef void unref_domain(void* d) noexcept nogil:
+    domain_unref(<vb_domain*>d)
 
 
 # --------------------------------------------------- device, port and GID
@@ -759,33 +692,14 @@ cdef class VerbsBackend(Backend):
 
     cdef fab_listener* listen(self, object domain, str host, int port, dict options) except NULL:
         cdef vb_domain* d = (<VerbsDomain?>domain).d
-        cdef vb_lst* l = <vb_lst*>calloc(1, sizeof(vb_lst))
-        if l == NULL:
-            raise MemoryError()
-        try:
-            l.base.fd = listen_socket(host, port, l.base.address, 96)
-        except BaseException:
-            free(l)
-            raise
-        l.base.accept = vb_accept
-        l.base.close = vb_close_listener
-        l.dom = d
-        l.depth = recv_depth_for(options)
-        domain_ref(&d.refs)
-        return &l.base
+        return boot_listen(host, port, d, &d.refs, recv_depth_for(options), new_channel, unref_domain)
 
     cdef fab_hub* hub(self, object domain) except? NULL:
         return &(<VerbsDomain?>domain).d.hub
 
     cdef int prepare_attach(self, object domain, dict options, fab_attach* out) except -1:
-        out.attach = vb_attach
+        out.attach = new_channel
         out.domain = (<VerbsDomain?>domain).d
         out.recv_depth = recv_depth_for(options)
         return 0
 
-
-cdef fab_channel* vb_attach(void* domain, int fd, size_t max_recv, uint32_t recv_depth) noexcept nogil:
-    cdef fab_channel* ch = new_channel(<vb_domain*>domain, fd, max_recv, recv_depth)
-    if ch == NULL:
-        close(fd)
-    return ch
