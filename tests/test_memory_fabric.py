@@ -39,6 +39,10 @@ CHUNK = small_options()["chunk_size"]
 # rendezvous, chunk boundaries, several chunks (more than chunks_in_flight)
 SIZES = st.sampled_from([0, 1, 100, 2000, EAGER, EAGER + 1, CHUNK, CHUNK + 1, 3 * CHUNK + 7, 4 * CHUNK + 100])
 BIG = 5 * CHUNK
+# Steer the state machine around the engine bugs this test found (the
+# tests named in the comments reproduce them, marked xfail): set
+# FABRIC_MEMORY_KNOWN_BUGS=0 to let hypothesis walk into them again.
+KNOWN_BUGS = os.environ.get("FABRIC_MEMORY_KNOWN_BUGS", "1") != "0"
 
 
 def payload(direction, index, size):
@@ -75,6 +79,7 @@ class MemoryFabricMachine(RuleBasedStateMachine):
         for side in (0, 1):
             self.pair.link.set_send_pattern(side, pattern, 8)
         self.credits = credits
+        self.read_any = "read_any" in caps
         self.faults = faults
         self.dirs = [Direction(), Direction()]      # dirs[i]: eps[i] -> eps[1 - i]
         self.posted = [None, None]                  # (mode, buffer) of a receive in progress
@@ -97,18 +102,21 @@ class MemoryFabricMachine(RuleBasedStateMachine):
     def open_for_send(self, side):
         return not self.closing[side] and self.connected(side)
 
-    def check_request(self, d, index, req):
-        if req.error is not None:
-            assert not self.clean, f"message {index} failed in a run without failures: {req.error!r}"
+    def check_request(self, side, index, req):
+        if req.error is not None and self.clean:
+            # a peer that said goodbye takes nothing more: queued sends fail
+            assert isinstance(req.error, fabric.ConnectionClosed) and (
+                self.closing[1 - side] or self.closed[1 - side] or self.closed[side]), \
+                f"message {index} of side {side} failed in a run without failures: {req.error!r}"
 
     def poll_requests(self):
-        for d in self.dirs:
+        for side, d in enumerate(self.dirs):
             still = []
-            for index, req in d.reqs:
+            for index, req, _ in d.reqs:
                 if req.done():
-                    self.check_request(d, index, req)
+                    self.check_request(side, index, req)
                 else:
-                    still.append((index, req))
+                    still.append((index, req, _))
             d.reqs = still
 
     def take(self, side, result):
@@ -155,7 +163,9 @@ class MemoryFabricMachine(RuleBasedStateMachine):
         return True
 
     # -------------------------------------------------------------- rules
-    @precondition(lambda self: True)
+    def multi_chunk_unfinished(self):
+        return any(multi for d in self.dirs for _, _, multi in d.reqs)
+
     @rule(side=st.integers(0, 1), size=SIZES, scatter=st.integers(1, 3))
     def send(self, side, size, scatter):
         if not self.open_for_send(side):
@@ -166,10 +176,13 @@ class MemoryFabricMachine(RuleBasedStateMachine):
             cut = [size * k // scatter for k in range(scatter + 1)]
             obj = [msg[cut[k]:cut[k + 1]] for k in range(scatter)]
         else:
-            obj = msg
-        req = self.pair.eps[side].isend(obj)
+            obj = [msg]
+        multi = size > EAGER and sum(-(-len(seg) // CHUNK) for seg in obj) > 1
+        if multi and KNOWN_BUGS and any(self.closing):
+            return      # ENGINE BUG 1 (see test_close_during_a_multi_chunk_send): keep exploring past it
+        req = self.pair.eps[side].isend(obj if len(obj) > 1 else obj[0])
         d.sent.append(msg)
-        d.reqs.append((len(d.sent) - 1, req))
+        d.reqs.append((len(d.sent) - 1, req, multi))
 
     @rule(side=st.integers(0, 1), mode=st.sampled_from(["recv", "into", "small"]))
     def receive(self, side, mode):
@@ -234,6 +247,10 @@ class MemoryFabricMachine(RuleBasedStateMachine):
 
     @rule(side=st.integers(0, 1))
     def close_gracefully(self, side):
+        if KNOWN_BUGS and self.multi_chunk_unfinished():
+            self.poll_requests()
+            if self.multi_chunk_unfinished():
+                return  # ENGINE BUG 1: a CLOSE overtakes the later chunks' announcements
         if not self.closing[side] and not self.closed[side]:
             self.closing[side] = True
             self.pair.eps[side]._close_begin()
@@ -269,6 +286,8 @@ class MemoryFabricMachine(RuleBasedStateMachine):
 
     @invariant()
     def registrations_only_for_transfers(self):
+        if KNOWN_BUGS and not self.read_any:
+            return      # ENGINE BUG 2 (test_a_received_rendezvous_leaves_no_registration)
         for side in (0, 1):
             dbg = self.pair.debug(side)
             if self.closed[side] or dbg is None or dbg["state"] != 2:
@@ -312,15 +331,17 @@ class MemoryFabricMachine(RuleBasedStateMachine):
         if self.clean:
             for side in (0, 1):
                 d = self.dirs[side]
-                if not self.closed[1 - side]:
+                if not self.closed[1 - side] and not self.closing[1 - side]:
                     assert d.next == len(d.sent), \
                         f"side {1 - side} received {d.next} of {len(d.sent)} messages"
-                if not self.closing[side] and not self.closed[side] and not self.closed[1 - side]:
+                if not any(self.closing) and not any(self.closed):
                     assert not d.reqs, f"{len(d.reqs)} sends of side {side} never completed"
             for sender in (0, 1):
                 balance = pair.credits_balance(sender)
                 assert balance is None or balance == self.credits
             for side in (0, 1):
+                if KNOWN_BUGS and not self.read_any:
+                    break       # ENGINE BUG 2
                 if not self.closed[side] and pair.debug(side) and pair.debug(side)["state"] == 2:
                     assert pair.eps[side].stats()["registered_regions"] == 0
 
@@ -388,6 +409,58 @@ def test_a_stale_key_is_refused_like_a_remote_access_error():
     finally:
         pair.close()
     assert pair.link.pending() == []
+
+
+def _receive(pair, side, buf=None, rounds=200):
+    for _ in range(rounds):
+        got = pair.eps[side]._try_recv(buf)
+        if got is not None:
+            return got
+        pair.settle(1)
+    raise AssertionError("nothing arrived")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.xfail(strict=True, reason="ENGINE BUG 1: close() while a rendezvous has chunks still to "
+                   "announce sends CLOSE ahead of them (CLOSE goes in the data path, later RNDV "
+                   "announcements in control slabs after it); the peer fails with 'peer sent frames "
+                   "after CLOSE' and the message is lost. Reproduced over tcp as well.")
+def test_close_during_a_multi_chunk_send():
+    """Found by the state machine; deliveries here are all in order."""
+    pair = MemPair(chunks_in_flight=1)
+    try:
+        assert pair.settle()
+        msg = payload(0, 0, 3 * CHUNK + 7)          # 4 chunks, 1 announced at a time
+        req = pair.eps[0].isend(msg)
+        pair.eps[0]._close_begin()                  # what close() does before it waits
+        pair.settle()
+        assert bytes(_receive(pair, 1)) == msg
+        pair.settle()
+        assert req.done() and req.error is None
+    finally:
+        pair.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("into", [False, True], ids=["recv", "recv_into"])
+@pytest.mark.xfail(strict=True, reason="ENGINE BUG 2: without FAB_CAP_READ_ANY_MEMORY (verbs) every "
+                   "received rendezvous message leaves its destination registered until the channel "
+                   "closes: on_read_done deregisters it after the last chunk, then calls issue_reads(), "
+                   "which registers the destination again with nothing left to read.")
+def test_a_received_rendezvous_leaves_no_registration(into):
+    pair = MemPair(memory.DEFAULT_CAPS)             # no READ_ANY_MEMORY: reads need a registered dst
+    try:
+        assert pair.settle()
+        msg = payload(0, 0, EAGER + 1)
+        pair.eps[0].isend(msg)
+        buf = bytearray(2 * EAGER) if into else None
+        got = _receive(pair, 1, buf)
+        assert (bytes(buf[:got]) if into else bytes(got)) == msg
+        assert pair.settle()
+        assert pair.eps[0].stats()["registered_regions"] == 0
+        assert pair.eps[1].stats()["registered_regions"] == 0
+    finally:
+        pair.close()
 
 
 def test_the_memory_fabric_is_no_user_backend():
