@@ -39,7 +39,9 @@ class MemPair:
 
     def settle(self, limit=20000):
         """Deliver the oldest deliverable item and progress both sides until
-        nothing is left to deliver. Returns False if it never got quiet."""
+        nothing is left to deliver. Returns False if it never got quiet;
+        self.delivered counts what it delivered."""
+        self.delivered = 0
         for _ in range(limit):
             self.progress()
             items = self.deliverable()
@@ -49,6 +51,7 @@ class MemPair:
                     return True
                 continue
             self.link.deliver(items[0][0])
+            self.delivered += 1
         return False
 
     def debug(self, side):
