@@ -42,6 +42,9 @@ BIG = 5 * CHUNK
 # Steer the state machine around the engine bugs this test found (the
 # tests named in the comments reproduce them, marked xfail): set
 # FABRIC_MEMORY_KNOWN_BUGS=0 to let hypothesis walk into them again.
+# destructive rules (failures, closes) fire on a draw of 0 only, so most
+# runs get some traffic through first (and shrinking can still remove them)
+RARE = st.integers(0, 5)
 KNOWN_BUGS = os.environ.get("FABRIC_MEMORY_KNOWN_BUGS", "1") != "0"
 
 
@@ -66,9 +69,9 @@ class MemoryFabricMachine(RuleBasedStateMachine):
     @initialize(caps=st.sets(st.sampled_from(["send_any", "read_any", "copies", "ordered_close"])),
                 send_depth=st.integers(1, 4), rkey_len=st.sampled_from([8, 24]),
                 coalesce=st.integers(0, 1), credits=st.sampled_from([4, 8]),
-                chunks=st.integers(1, 3), budget=st.sampled_from([1 << 20, 6000]),
-                pattern=st.integers(0, 255), faults=st.booleans())
-    def setup(self, caps, send_depth, rkey_len, coalesce, credits, chunks, budget, pattern, faults):
+                chunks=st.integers(1, 3), budget=st.sampled_from([1 << 30] if KNOWN_BUGS else [1 << 20, 6000]),
+                pattern=st.integers(0, 255), faults=st.booleans(), handshake=st.booleans())
+    def setup(self, caps, send_depth, rkey_len, coalesce, credits, chunks, budget, pattern, faults, handshake):
         flags = memory.DEFAULT_CAPS & ~memory.CAP_ORDERED_CLOSE
         for name, flag in (("send_any", memory.CAP_SEND_ANY_MEMORY), ("read_any", memory.CAP_READ_ANY_MEMORY),
                            ("copies", memory.CAP_SEND_COPIES), ("ordered_close", memory.CAP_ORDERED_CLOSE)):
@@ -88,6 +91,8 @@ class MemoryFabricMachine(RuleBasedStateMachine):
         self.injected = 0                           # failures injected (any kind)
         self.read_failures = 0
         self.aborted = False
+        if handshake:       # else the handshakes interleave with the first rules too
+            assert self.pair.settle()
 
     # ------------------------------------------------------------ helpers
     @property
@@ -105,7 +110,7 @@ class MemoryFabricMachine(RuleBasedStateMachine):
     def check_request(self, side, index, req):
         if req.error is not None and self.clean:
             # a peer that said goodbye takes nothing more: queued sends fail
-            assert isinstance(req.error, fabric.ConnectionClosed) and (
+            assert isinstance(req.error, fabric.ConnectionLost) and (
                 self.closing[1 - side] or self.closed[1 - side] or self.closed[side]), \
                 f"message {index} of side {side} failed in a run without failures: {req.error!r}"
 
@@ -150,7 +155,7 @@ class MemoryFabricMachine(RuleBasedStateMachine):
         except fabric.ProtocolError as e:        # no fault here ever garbles a frame
             raise AssertionError(f"protocol error over the memory fabric: {e}") from e
         except fabric.ConnectionLost as e:       # ConnectionClosed included
-            assert not self.clean or self.closing[1 - side] or self.closed[1 - side], \
+            assert not self.clean or self.closing[side] or self.closing[1 - side] or self.closed[1 - side], \
                 f"connection error in a clean run with the peer open: {e!r}"
             if d.conn_error is None:
                 d.conn_error = e
@@ -183,6 +188,12 @@ class MemoryFabricMachine(RuleBasedStateMachine):
         req = self.pair.eps[side].isend(obj if len(obj) > 1 else obj[0])
         d.sent.append(msg)
         d.reqs.append((len(d.sent) - 1, req, multi))
+
+    @rule(side=st.integers(0, 1), sizes=st.lists(SIZES, min_size=2, max_size=6))
+    def send_burst(self, side, sizes):
+        """Several messages at once: they queue behind credits and coalesce."""
+        for size in sizes:
+            self.send(side, size, 1)
 
     @rule(side=st.integers(0, 1), mode=st.sampled_from(["recv", "into", "small"]))
     def receive(self, side, mode):
@@ -230,8 +241,10 @@ class MemoryFabricMachine(RuleBasedStateMachine):
                 self.pair.progress()
 
     @precondition(lambda self: self.faults and self.pair.deliverable())
-    @rule(data=st.data())
-    def fail_item(self, data):
+    @rule(data=st.data(), chance=RARE)
+    def fail_item(self, data, chance):
+        if chance:
+            return
         items = self.pair.deliverable()
         item = data.draw(st.sampled_from(items), label="failed item")
         self.injected += 1
@@ -240,13 +253,17 @@ class MemoryFabricMachine(RuleBasedStateMachine):
         self.pair.link.fail(item[0])
 
     @precondition(lambda self: self.faults)
-    @rule(side=st.integers(0, 1))
-    def break_connection(self, side):
+    @rule(side=st.integers(0, 1), chance=RARE)
+    def break_connection(self, side, chance):
+        if chance:
+            return
         self.injected += 1
         self.pair.link.fail_channel(side)
 
-    @rule(side=st.integers(0, 1))
-    def close_gracefully(self, side):
+    @rule(side=st.integers(0, 1), chance=RARE)
+    def close_gracefully(self, side, chance):
+        if chance:
+            return
         if KNOWN_BUGS and self.multi_chunk_unfinished():
             self.poll_requests()
             if self.multi_chunk_unfinished():
@@ -264,9 +281,9 @@ class MemoryFabricMachine(RuleBasedStateMachine):
             self.posted[side] = None
             self.pair.eps[side].close(linger=0)
 
-    @rule(side=st.integers(0, 1))
-    def abort(self, side):
-        if not self.closed[side]:
+    @rule(side=st.integers(0, 1), chance=RARE)
+    def abort(self, side, chance):
+        if not self.closed[side] and not chance:
             self.aborted = True
             self.closed[side] = True
             self.posted[side] = None
@@ -495,6 +512,28 @@ def test_credits_never_outrun_the_posted_receive_buffers():
         assert pair.link.violations() == []
         assert pair.link.state(1)["overruns"] == 0
         del reqs
+    finally:
+        pair.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.xfail(strict=True, reason="ENGINE BUG 4: deadlock once messages buffered behind a rendezvous "
+                   "exceed recv_budget: the receiver holds every credit (held), so the sender cannot post "
+                   "the control frames that announce the rendezvous' next chunks, and the application's "
+                   "receive waits on that rendezvous forever. Reproduced over tcp as well.")
+def test_buffered_messages_behind_a_rendezvous_never_starve_it():
+    """Found by the state machine (shrunk); every delivery here is in order."""
+    pair = MemPair(memory.DEFAULT_CAPS & ~memory.CAP_ORDERED_CLOSE, 1, coalesce=0, credits=4,
+                   chunks_in_flight=1, recv_budget=6000)
+    try:
+        assert pair.settle()
+        sizes = [0, 0, 3 * CHUNK + 7, 0, 0, EAGER, 0]
+        msgs = [payload(0, i, n) for i, n in enumerate(sizes)]
+        for m in msgs:
+            pair.eps[0].isend(m)
+        assert pair.settle()                  # all of it arrives before the application asks
+        for m in msgs:
+            assert bytes(_receive(pair, 1)) == m
     finally:
         pair.close()
 
