@@ -152,6 +152,14 @@ class MemoryFabricMachine(RuleBasedStateMachine):
             d.next += 1
             self.posted[side] = None
             return True
+        except fabric.ResourceLimit:
+            # ENGINE BUG 6: after its channel failed (reg() refuses), a fabric without
+            # SEND_ANY_MEMORY reports "out of memory for control frames" instead of the failure
+            assert KNOWN_BUGS and not self.clean
+            if d.conn_error is None:
+                d.conn_error = "resource limit after a channel failure"
+            self.posted[side] = None
+            return True
         except fabric.ProtocolError as e:        # no fault here ever garbles a frame
             raise AssertionError(f"protocol error over the memory fabric: {e}") from e
         except fabric.ConnectionLost as e:       # ConnectionClosed included
@@ -166,6 +174,13 @@ class MemoryFabricMachine(RuleBasedStateMachine):
         self.take(side, result)
         self.posted[side] = None
         return True
+
+    def starved(self, sender):
+        """ENGINE BUG 5's signature: the sender is down to its reserved
+        credits, the receiver owes some, and nothing is in flight."""
+        ds, dr = self.pair.debug(sender), self.pair.debug(1 - sender)
+        return (ds is not None and dr is not None and ds["peer_credits"] <= 2 and dr["c2r"] > 0
+                and not self.pair.link.pending())
 
     # -------------------------------------------------------------- rules
     def multi_chunk_unfinished(self):
@@ -349,10 +364,12 @@ class MemoryFabricMachine(RuleBasedStateMachine):
         if self.clean:
             for side in (0, 1):
                 d = self.dirs[side]
+                if KNOWN_BUGS and self.starved(side):
+                    continue    # ENGINE BUG 5 (test_credits_owed_for_credit_only_messages_never_starve_data)
                 if not self.closed[1 - side] and not self.closing[1 - side]:
                     assert d.next == len(d.sent), \
                         f"side {1 - side} received {d.next} of {len(d.sent)} messages"
-                if not any(self.closing) and not any(self.closed):
+                if not any(self.closing) and not any(self.closed) and not (KNOWN_BUGS and self.starved(1 - side)):
                     assert not d.reqs, f"{len(d.reqs)} sends of side {side} never completed"
             for sender in (0, 1):
                 balance = pair.credits_balance(sender)
@@ -534,6 +551,31 @@ def test_buffered_messages_behind_a_rendezvous_never_starve_it():
         assert pair.settle()                  # all of it arrives before the application asks
         for m in msgs:
             assert bytes(_receive(pair, 1)) == m
+    finally:
+        pair.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.xfail(strict=True, reason="ENGINE BUG 5: a message framed into a slab waits for a credit above "
+                   "CREDIT_RESERVE; the peer owes credits only for credit-only messages (c2r_quiet), which "
+                   "it never returns on their own; both sides go quiet and the message never leaves, "
+                   "though its isend() already reported success.")
+def test_credits_owed_for_credit_only_messages_never_starve_data():
+    """Found by the state machine (shrunk): send_depth 1, 4 credits, no coalescing."""
+    pair = MemPair(memory.CAP_SEND_ANY_MEMORY, 1, coalesce=0, credits=4)
+    try:
+        assert pair.settle()
+        reqs = [pair.eps[0].isend(b"a"), pair.eps[0].isend(b"b")]
+        pair.link.deliver(pair.deliverable()[0][0])     # "a" leaves; its completion waits
+        reqs.append(pair.eps[0].isend(b"c"))
+        reqs += [pair.eps[1].isend(b"x"), pair.eps[1].isend(b"y")]
+        assert pair.settle()
+        got = []
+        for _ in range(3):
+            m = pair.eps[1]._try_recv()
+            pair.settle()
+            got.append(None if m is None else bytes(m))
+        assert got == [b"a", b"b", b"c"]
     finally:
         pair.close()
 
