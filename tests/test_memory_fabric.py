@@ -31,7 +31,7 @@ from memfabric import MemPair, memory
 
 pytestmark = pytest.mark.skipif(memory is None, reason="fabric.backends._memory was not built")
 
-EXAMPLES = int(os.environ.get("FABRIC_HYPOTHESIS_EXAMPLES", "30"))
+EXAMPLES = int(os.environ.get("FABRIC_HYPOTHESIS_EXAMPLES", "100"))
 STEPS = int(os.environ.get("FABRIC_HYPOTHESIS_STEPS", "40"))
 EAGER = small_options()["eager_limit"]
 CHUNK = small_options()["chunk_size"]
