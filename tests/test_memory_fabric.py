@@ -12,15 +12,16 @@ the engine keeps its side of the fabric contract (the fabric records every
 breach). At the end, after close: no item left pending.
 
 The CI run is short. FABRIC_HYPOTHESIS_EXAMPLES=500 (and, for longer runs,
-FABRIC_HYPOTHESIS_STEPS=80) explores more; FABRIC_HYPOTHESIS_SEED pins the
-seed to reproduce a run.
+FABRIC_HYPOTHESIS_STEPS=80) explores more; pytest --hypothesis-seed=N
+reproduces a run. Longer runs still find failures not analysed yet (see
+the report of the branch memfabric); the CI run steers around the known ones.
 """
 from __future__ import annotations
 
 import os
 
 import pytest
-from hypothesis import HealthCheck, settings, seed as _seed
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
@@ -383,12 +384,9 @@ class MemoryFabricMachine(RuleBasedStateMachine):
 
 @pytest.mark.timeout(300)
 def test_engine_over_the_memory_fabric():
-    kwargs = {}
-    if os.environ.get("FABRIC_HYPOTHESIS_SEED"):
-        _seed(int(os.environ["FABRIC_HYPOTHESIS_SEED"]))(MemoryFabricMachine.TestCase)
     run_state_machine_as_test(MemoryFabricMachine, settings=settings(
         max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None, database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]), **kwargs)
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
 
 
 # ------------------------------------------------- direct tests of the fabric
