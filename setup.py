@@ -70,6 +70,11 @@ extensions = [
     ext("fabric._buffers"),
 ]
 
+# Test-only (tests/test_memory_fabric.py): the in-memory fabric, never a
+# user-facing backend (not in fabric.backends.KNOWN). FABRIC_MEMORY_FABRIC=off skips it.
+if os.environ.get("FABRIC_MEMORY_FABRIC", "auto") != "off":
+    extensions.append(ext("fabric.backends._memory"))
+
 if os.path.exists("/usr/include/infiniband/verbs.h") and os.environ.get("FABRIC_VERBS", "auto") != "off":
     extensions.append(ext("fabric.backends.verbs", include_dirs=["fabric/backends"], libraries=["ibverbs"]))
 else:

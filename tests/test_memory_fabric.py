@@ -1,0 +1,585 @@
+"""The protocol engine over the test-only memory fabric (fabric.backends._memory),
+where hypothesis decides when every send leaves, arrives and completes and
+when every pull lands: interleavings of sends, pulls, credits, CHUNK_DONE,
+CLOSE and failures that real fabrics rarely produce. The real-fabric suites
+stay what they are; this one only adds orders they cannot force.
+
+Invariants after every step: each direction's messages reach the
+application whole, in order, each once (or a message fails alone, only
+after an injected read failure); nothing arrives after a connection error
+was reported; credits are conserved; no registration outlives its transfer;
+the engine keeps its side of the fabric contract (the fabric records every
+breach). At the end, after close: no item left pending.
+
+The CI run is short. FABRIC_HYPOTHESIS_EXAMPLES=500 (and, for longer runs,
+FABRIC_HYPOTHESIS_STEPS=80) explores more; pytest --hypothesis-seed=N
+reproduces a run. Longer runs still find failures not analysed yet (see
+the report of the branch memfabric); the CI run steers around the known ones.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
+                                 run_state_machine_as_test)
+
+import fabric
+from conftest import small_options
+from memfabric import MemPair, memory
+
+pytestmark = pytest.mark.skipif(memory is None, reason="fabric.backends._memory was not built")
+
+EXAMPLES = int(os.environ.get("FABRIC_HYPOTHESIS_EXAMPLES", "100"))
+STEPS = int(os.environ.get("FABRIC_HYPOTHESIS_STEPS", "40"))
+EAGER = small_options()["eager_limit"]
+CHUNK = small_options()["chunk_size"]
+# every protocol: empty, coalesced small, eager at its limit, the smallest
+# rendezvous, chunk boundaries, several chunks (more than chunks_in_flight)
+SIZES = st.sampled_from([0, 1, 100, 2000, EAGER, EAGER + 1, CHUNK, CHUNK + 1, 3 * CHUNK + 7, 4 * CHUNK + 100])
+BIG = 5 * CHUNK
+# Steer the state machine around the engine bugs this test found (the
+# tests named in the comments reproduce them, marked xfail): set
+# FABRIC_MEMORY_KNOWN_BUGS=0 to let hypothesis walk into them again.
+# destructive rules (failures, closes) fire on a draw of 0 only, so most
+# runs get some traffic through first (and shrinking can still remove them)
+RARE = st.integers(0, 5)
+KNOWN_BUGS = os.environ.get("FABRIC_MEMORY_KNOWN_BUGS", "1") != "0"
+
+
+def payload(direction, index, size):
+    seed = (direction * 1000003 + index * 7919) & 0xFFFFFFFF
+    unit = seed.to_bytes(4, "little") + bytes([index & 255, direction, 0xA5, 0x5A])
+    return (unit * (size // len(unit) + 1))[:size]
+
+
+class Direction:
+    """What one side sent, and how far the other side's application got."""
+
+    def __init__(self):
+        self.sent = []            # payloads, in order
+        self.reqs = []            # (index, Request)
+        self.next = 0             # index of the next message the receiver must see
+        self.failed_msgs = set()  # indexes the receiver got an error for (read failures)
+        self.conn_error = None    # the connection error the receiver's application saw
+
+
+class MemoryFabricMachine(RuleBasedStateMachine):
+    @initialize(caps=st.sets(st.sampled_from(["send_any", "read_any", "copies", "ordered_close"])),
+                send_depth=st.integers(1, 4), rkey_len=st.sampled_from([8, 24]),
+                coalesce=st.integers(0, 1), credits=st.sampled_from([4, 8]),
+                chunks=st.integers(1, 3), budget=st.sampled_from([1 << 30] if KNOWN_BUGS else [1 << 20, 6000]),
+                pattern=st.integers(0, 255), faults=st.booleans(), handshake=st.booleans())
+    def setup(self, caps, send_depth, rkey_len, coalesce, credits, chunks, budget, pattern, faults, handshake):
+        flags = memory.DEFAULT_CAPS & ~memory.CAP_ORDERED_CLOSE
+        for name, flag in (("send_any", memory.CAP_SEND_ANY_MEMORY), ("read_any", memory.CAP_READ_ANY_MEMORY),
+                           ("copies", memory.CAP_SEND_COPIES), ("ordered_close", memory.CAP_ORDERED_CLOSE)):
+            if name in caps:
+                flags |= flag
+        self.pair = MemPair(flags, send_depth, rkey_len, coalesce=coalesce, credits=credits,
+                            chunks_in_flight=chunks, recv_budget=budget)
+        for side in (0, 1):
+            self.pair.link.set_send_pattern(side, pattern, 8)
+        self.credits = credits
+        self.read_any = "read_any" in caps
+        self.faults = faults
+        self.dirs = [Direction(), Direction()]      # dirs[i]: eps[i] -> eps[1 - i]
+        self.posted = [None, None]                  # (mode, buffer) of a receive in progress
+        self.closing = [False, False]               # graceful close begun
+        self.closed = [False, False]                # closed locally
+        self.injected = 0                           # failures injected (any kind)
+        self.read_failures = 0
+        self.aborted = False
+        if handshake:       # else the handshakes interleave with the first rules too
+            assert self.pair.settle()
+
+    # ------------------------------------------------------------ helpers
+    @property
+    def clean(self):
+        return self.injected == 0 and not self.aborted
+
+    def connected(self, side):
+        """The application has the endpoint (connect() returns after the
+        handshake; so does the asyncio attach)."""
+        return not self.closed[side] and self.pair.eps[side]._state() != 0
+
+    def open_for_send(self, side):
+        return not self.closing[side] and self.connected(side)
+
+    def check_request(self, side, index, req):
+        if req.error is not None and self.clean:
+            # a peer that said goodbye takes nothing more: queued sends fail
+            assert isinstance(req.error, fabric.ConnectionLost) and (
+                self.closing[1 - side] or self.closed[1 - side] or self.closed[side]), \
+                f"message {index} of side {side} failed in a run without failures: {req.error!r}"
+
+    def poll_requests(self):
+        for side, d in enumerate(self.dirs):
+            still = []
+            for index, req, _ in d.reqs:
+                if req.done():
+                    self.check_request(side, index, req)
+                else:
+                    still.append((index, req, _))
+            d.reqs = still
+
+    def take(self, side, result):
+        """The receiver's application got `result` (a message or a size)."""
+        d = self.dirs[1 - side]
+        assert d.conn_error is None, f"a message arrived after {d.conn_error!r}"
+        assert d.next < len(d.sent), "a message arrived that was never sent"
+        mode, buf = self.posted[side]
+        got = bytes(result) if mode == "recv" else bytes(buf[:result])
+        want = d.sent[d.next]
+        assert len(got) == len(want), f"message {d.next}: {len(got)} bytes, sent {len(want)}"
+        assert got == want, f"message {d.next} arrived corrupted"
+        d.next += 1
+
+    def try_receive(self, side):
+        d = self.dirs[1 - side]
+        mode, buf = self.posted[side]
+        try:
+            result = self.pair.eps[side]._try_recv(buf)
+        except fabric.MessageTooLarge:
+            assert mode == "small", "MessageTooLarge for a buffer large enough"
+            self.posted[side] = None
+            return True
+        except fabric.RemoteAccessError:
+            assert self.read_failures, "a message failed without a failed read"
+            assert d.conn_error is None
+            d.failed_msgs.add(d.next)
+            d.next += 1
+            self.posted[side] = None
+            return True
+        except fabric.ResourceLimit:
+            # ENGINE BUG 6: after its channel failed (reg() refuses), a fabric without
+            # SEND_ANY_MEMORY reports "out of memory for control frames" instead of the failure
+            assert KNOWN_BUGS and not self.clean
+            if d.conn_error is None:
+                d.conn_error = "resource limit after a channel failure"
+            self.posted[side] = None
+            return True
+        except fabric.ProtocolError as e:        # no fault here ever garbles a frame
+            raise AssertionError(f"protocol error over the memory fabric: {e}") from e
+        except fabric.ConnectionLost as e:       # ConnectionClosed included
+            assert not self.clean or self.closing[side] or self.closing[1 - side] or self.closed[1 - side], \
+                f"connection error in a clean run with the peer open: {e!r}"
+            if d.conn_error is None:
+                d.conn_error = e
+            self.posted[side] = None
+            return True
+        if result is None:
+            return False
+        self.take(side, result)
+        self.posted[side] = None
+        return True
+
+    def starved(self, sender):
+        """ENGINE BUG 5's signature: the sender is down to its reserved
+        credits, the receiver owes some, and nothing is in flight."""
+        ds, dr = self.pair.debug(sender), self.pair.debug(1 - sender)
+        return (ds is not None and dr is not None and ds["peer_credits"] <= 2 and dr["c2r"] > 0
+                and not self.pair.link.pending())
+
+    # -------------------------------------------------------------- rules
+    def multi_chunk_unfinished(self):
+        return any(multi for d in self.dirs for _, _, multi in d.reqs)
+
+    @rule(side=st.integers(0, 1), size=SIZES, scatter=st.integers(1, 3))
+    def send(self, side, size, scatter):
+        if not self.open_for_send(side):
+            return
+        d = self.dirs[side]
+        msg = payload(side, len(d.sent), size)
+        if scatter > 1 and size >= scatter:
+            cut = [size * k // scatter for k in range(scatter + 1)]
+            obj = [msg[cut[k]:cut[k + 1]] for k in range(scatter)]
+        else:
+            obj = [msg]
+        multi = size > EAGER and sum(-(-len(seg) // CHUNK) for seg in obj) > 1
+        if multi and KNOWN_BUGS and any(self.closing):
+            return      # ENGINE BUG 1 (see test_close_during_a_multi_chunk_send): keep exploring past it
+        req = self.pair.eps[side].isend(obj if len(obj) > 1 else obj[0])
+        d.sent.append(msg)
+        d.reqs.append((len(d.sent) - 1, req, multi))
+
+    @rule(side=st.integers(0, 1), sizes=st.lists(SIZES, min_size=2, max_size=6))
+    def send_burst(self, side, sizes):
+        """Several messages at once: they queue behind credits and coalesce."""
+        for size in sizes:
+            self.send(side, size, 1)
+
+    @rule(side=st.integers(0, 1), mode=st.sampled_from(["recv", "into", "small"]))
+    def receive(self, side, mode):
+        if not self.connected(side):
+            return
+        if self.posted[side] is None:
+            d = self.dirs[1 - side]
+            nxt = d.sent[d.next] if d.next < len(d.sent) else None
+            if mode == "small" and (nxt is None or not nxt):
+                mode = "into"
+            buf = None if mode == "recv" else bytearray(BIG if mode == "into" else len(nxt) - 1)
+            self.posted[side] = (mode, buf)
+        self.try_receive(side)
+
+    @precondition(lambda self: self.posted[0] is not None or self.posted[1] is not None)
+    @rule(side=st.integers(0, 1))
+    def cancel_receive(self, side):
+        if self.posted[side] is not None and not self.closed[side]:
+            self.pair.eps[side]._cancel_recv()
+            self.posted[side] = None
+
+    @rule(side=st.integers(0, 1))
+    def progress(self, side):
+        if not self.closed[side]:
+            self.pair.workers[side].progress()
+        self.poll_requests()
+
+    @precondition(lambda self: self.pair.deliverable())
+    @rule(data=st.data())
+    def deliver(self, data):
+        items = self.pair.deliverable()
+        item = data.draw(st.sampled_from(items), label="item")
+        self.pair.link.deliver(item[0])
+
+    @precondition(lambda self: self.pair.deliverable())
+    @rule(data=st.data(), count=st.integers(1, 12))
+    def deliver_oldest(self, data, count):
+        """A burst: the oldest items, in posting order, with progress between."""
+        for _ in range(count):
+            items = self.pair.deliverable()
+            if not items:
+                break
+            self.pair.link.deliver(items[0][0])
+            if data.draw(st.booleans(), label="progress"):
+                self.pair.progress()
+
+    @precondition(lambda self: self.faults and self.pair.deliverable())
+    @rule(data=st.data(), chance=RARE)
+    def fail_item(self, data, chance):
+        if chance:
+            return
+        items = self.pair.deliverable()
+        item = data.draw(st.sampled_from(items), label="failed item")
+        self.injected += 1
+        if item[1] == "read":
+            self.read_failures += 1
+        self.pair.link.fail(item[0])
+
+    @precondition(lambda self: self.faults)
+    @rule(side=st.integers(0, 1), chance=RARE)
+    def break_connection(self, side, chance):
+        if chance:
+            return
+        self.injected += 1
+        self.pair.link.fail_channel(side)
+
+    @rule(side=st.integers(0, 1), chance=RARE)
+    def close_gracefully(self, side, chance):
+        if chance:
+            return
+        if KNOWN_BUGS and self.multi_chunk_unfinished():
+            self.poll_requests()
+            if self.multi_chunk_unfinished():
+                return  # ENGINE BUG 1: a CLOSE overtakes the later chunks' announcements
+        if not self.closing[side] and not self.closed[side]:
+            self.closing[side] = True
+            self.pair.eps[side]._close_begin()
+
+    @precondition(lambda self: any(self.closing[i] and not self.closed[i] for i in (0, 1)))
+    @rule(side=st.integers(0, 1))
+    def finish_close(self, side):
+        """close() once the goodbye has left (never blocks: linger 0)."""
+        if self.closing[side] and not self.closed[side] and self.pair.eps[side]._drained():
+            self.closed[side] = True
+            self.posted[side] = None
+            self.pair.eps[side].close(linger=0)
+
+    @rule(side=st.integers(0, 1), chance=RARE)
+    def abort(self, side, chance):
+        if not self.closed[side] and not chance:
+            self.aborted = True
+            self.closed[side] = True
+            self.posted[side] = None
+            self.pair.eps[side].close(linger=0)
+
+    # --------------------------------------------------------- invariants
+    @invariant()
+    def fabric_contract_kept(self):
+        assert self.pair.link.violations() == []
+
+    @invariant()
+    def credits_conserved(self):
+        for sender in (0, 1):
+            balance = self.pair.credits_balance(sender)
+            if balance is not None:
+                assert balance == self.credits, f"credits {sender}->{1 - sender}: {balance} != {self.credits}"
+
+    @invariant()
+    def registrations_only_for_transfers(self):
+        if KNOWN_BUGS and not self.read_any:
+            return      # ENGINE BUG 2 (test_a_received_rendezvous_leaves_no_registration)
+        for side in (0, 1):
+            dbg = self.pair.debug(side)
+            if self.closed[side] or dbg is None or dbg["state"] != 2:
+                continue
+            if not dbg["rndv_out"] and not dbg["rndv_in"]:
+                regions = self.pair.eps[side].stats()["registered_regions"]
+                assert regions == 0, f"side {side}: {regions} registrations without a transfer: {dbg}"
+
+    # ----------------------------------------------------------- teardown
+    def teardown(self):
+        pair = getattr(self, "pair", None)
+        if pair is None:
+            return
+        try:
+            self.finish()
+        finally:
+            for ep in pair.eps:
+                ep.close(linger=0)
+            pair.settle()
+            for w in pair.workers:
+                w.close(linger=0)
+        assert pair.link.pending() == [], "items left after both sides closed"
+        assert pair.link.violations() == []
+
+    def finish(self):
+        pair = self.pair
+        assert pair.settle(), "the engine never got quiet"
+        for _ in range(200):     # take whatever arrived (progress between takes)
+            moved = False
+            for side in (0, 1):
+                if self.closed[side]:
+                    continue
+                if self.posted[side] is None:
+                    self.posted[side] = ("recv", None)
+                if self.try_receive(side):
+                    moved = True
+                pair.settle()
+                moved = moved or pair.delivered > 0
+            if not moved:
+                break
+        self.poll_requests()
+        if self.clean:
+            for side in (0, 1):
+                d = self.dirs[side]
+                if KNOWN_BUGS and self.starved(side):
+                    continue    # ENGINE BUG 5 (test_credits_owed_for_credit_only_messages_never_starve_data)
+                if not self.closed[1 - side] and not self.closing[1 - side]:
+                    assert d.next == len(d.sent), \
+                        f"side {1 - side} received {d.next} of {len(d.sent)} messages"
+                if not any(self.closing) and not any(self.closed) and not (KNOWN_BUGS and self.starved(1 - side)):
+                    assert not d.reqs, f"{len(d.reqs)} sends of side {side} never completed"
+            for sender in (0, 1):
+                balance = pair.credits_balance(sender)
+                assert balance is None or balance == self.credits
+            for side in (0, 1):
+                if KNOWN_BUGS and not self.read_any:
+                    break       # ENGINE BUG 2
+                if not self.closed[side] and pair.debug(side) and pair.debug(side)["state"] == 2:
+                    assert pair.eps[side].stats()["registered_regions"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_engine_over_the_memory_fabric():
+    run_state_machine_as_test(MemoryFabricMachine, settings=settings(
+        max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None, database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+
+
+# ------------------------------------------------- direct tests of the fabric
+
+@pytest.mark.timeout(60)
+def test_every_protocol_over_the_memory_fabric():
+    """Ordered delivery with the oldest item first: the plain path works."""
+    pair = MemPair()
+    try:
+        assert pair.settle()
+        msgs = [payload(0, i, s) for i, s in enumerate([0, 1, EAGER, EAGER + 1, 3 * CHUNK + 7])]
+        reqs = [pair.eps[0].isend(m) for m in msgs]
+        for m in msgs:
+            for _ in range(1000):
+                got = pair.eps[1]._try_recv()
+                if got is not None:
+                    break
+                pair.settle(1)
+            assert bytes(got) == m
+        assert pair.settle()
+        assert all(r.done() and r.error is None for r in reqs)
+        assert pair.eps[0].stats()["registered_regions"] == 0
+        assert pair.credits_balance(0) == pair.options["credits"]
+        assert pair.link.violations() == []
+    finally:
+        pair.close()
+    assert pair.link.pending() == []
+
+
+@pytest.mark.timeout(60)
+def test_a_stale_key_is_refused_like_a_remote_access_error():
+    """A pull delivered after its chunk was deregistered fails the message
+    (the fabric checks every read against the owner's registrations)."""
+    pair = MemPair()
+    try:
+        assert pair.settle()
+        req = pair.eps[0].isend(payload(0, 0, EAGER + 1))
+        pair.eps[1]._try_recv()
+        for _ in range(200):
+            reads = [p for p in pair.link.pending() if p[1] == "read"]
+            if reads:
+                break
+            pair.link.deliver(pair.deliverable()[0][0])
+            pair.progress()
+        assert reads
+        pair.link.fail(reads[0][0])
+        pair.settle()
+        with pytest.raises(fabric.RemoteAccessError):
+            for _ in range(100):
+                pair.eps[1]._try_recv()
+                pair.settle(1)
+        assert req.done() and isinstance(req.error, fabric.RemoteAccessError)
+    finally:
+        pair.close()
+    assert pair.link.pending() == []
+
+
+def _receive(pair, side, buf=None, rounds=200):
+    for _ in range(rounds):
+        got = pair.eps[side]._try_recv(buf)
+        if got is not None:
+            return got
+        pair.settle(1)
+    raise AssertionError("nothing arrived")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.xfail(strict=True, reason="ENGINE BUG 1: close() while a rendezvous has chunks still to "
+                   "announce sends CLOSE ahead of them (CLOSE goes in the data path, later RNDV "
+                   "announcements in control slabs after it); the peer fails with 'peer sent frames "
+                   "after CLOSE' and the message is lost. Reproduced over tcp as well.")
+def test_close_during_a_multi_chunk_send():
+    """Found by the state machine; deliveries here are all in order."""
+    pair = MemPair(chunks_in_flight=1)
+    try:
+        assert pair.settle()
+        msg = payload(0, 0, 3 * CHUNK + 7)          # 4 chunks, 1 announced at a time
+        req = pair.eps[0].isend(msg)
+        pair.eps[0]._close_begin()                  # what close() does before it waits
+        pair.settle()
+        assert bytes(_receive(pair, 1)) == msg
+        pair.settle()
+        assert req.done() and req.error is None
+    finally:
+        pair.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("into", [False, True], ids=["recv", "recv_into"])
+@pytest.mark.xfail(strict=True, reason="ENGINE BUG 2: without FAB_CAP_READ_ANY_MEMORY (verbs) every "
+                   "received rendezvous message leaves its destination registered until the channel "
+                   "closes: on_read_done deregisters it after the last chunk, then calls issue_reads(), "
+                   "which registers the destination again with nothing left to read.")
+def test_a_received_rendezvous_leaves_no_registration(into):
+    pair = MemPair(memory.DEFAULT_CAPS)             # no READ_ANY_MEMORY: reads need a registered dst
+    try:
+        assert pair.settle()
+        msg = payload(0, 0, EAGER + 1)
+        pair.eps[0].isend(msg)
+        buf = bytearray(2 * EAGER) if into else None
+        got = _receive(pair, 1, buf)
+        assert (bytes(buf[:got]) if into else bytes(got)) == msg
+        assert pair.settle()
+        assert pair.eps[0].stats()["registered_regions"] == 0
+        assert pair.eps[1].stats()["registered_regions"] == 0
+    finally:
+        pair.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.xfail(strict=True, reason="CONTRACT GAP 3: the engine returns a receive buffer's credit "
+                   "while it processes the message, in the same progress call, but by interface.pxd "
+                   "the buffer stays in use until the next poll() (its data is valid until then); a "
+                   "peer quick enough sends into buffers not yet posted again. On verbs (reposted at "
+                   "the next poll, rnr_retry=7) that is an RNR stall, not a failure.")
+def test_credits_never_outrun_the_posted_receive_buffers():
+    pair = MemPair(memory.DEFAULT_CAPS | memory.CAP_SEND_ANY_MEMORY, 8, strict_recv=True,
+                   coalesce=0, credits=8, send_buffers=16)
+
+    def deliver_all(kind, side):
+        while True:
+            items = [p for p in pair.deliverable() if p[1] == kind and p[2] == side]
+            if not items:
+                return
+            pair.link.deliver(items[0][0])
+    try:
+        assert pair.settle()
+        reqs = [pair.eps[0].isend(bytes([i]) * 100) for i in range(14)]
+        deliver_all("send", 0)
+        deliver_all("arrive", 1)             # six messages: side 1 holds six buffers ...
+        pair.workers[1].progress()           # ... until its next poll, but returns their credits now
+        deliver_all("send", 1)
+        deliver_all("arrive", 0)
+        deliver_all("send_done", 0)
+        pair.workers[0].progress()           # side 0 spends them at once
+        deliver_all("send", 0)
+        deliver_all("arrive", 1)             # before side 1 polls again
+        assert pair.link.violations() == []
+        assert pair.link.state(1)["overruns"] == 0
+        del reqs
+    finally:
+        pair.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.xfail(strict=True, reason="ENGINE BUG 4: deadlock once messages buffered behind a rendezvous "
+                   "exceed recv_budget: the receiver holds every credit (held), so the sender cannot post "
+                   "the control frames that announce the rendezvous' next chunks, and the application's "
+                   "receive waits on that rendezvous forever. Reproduced over tcp as well.")
+def test_buffered_messages_behind_a_rendezvous_never_starve_it():
+    """Found by the state machine (shrunk); every delivery here is in order."""
+    pair = MemPair(memory.DEFAULT_CAPS & ~memory.CAP_ORDERED_CLOSE, 1, coalesce=0, credits=4,
+                   chunks_in_flight=1, recv_budget=6000)
+    try:
+        assert pair.settle()
+        sizes = [0, 0, 3 * CHUNK + 7, 0, 0, EAGER, 0]
+        msgs = [payload(0, i, n) for i, n in enumerate(sizes)]
+        for m in msgs:
+            pair.eps[0].isend(m)
+        assert pair.settle()                  # all of it arrives before the application asks
+        for m in msgs:
+            assert bytes(_receive(pair, 1)) == m
+    finally:
+        pair.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.xfail(strict=True, reason="ENGINE BUG 5: a message framed into a slab waits for a credit above "
+                   "CREDIT_RESERVE; the peer owes credits only for credit-only messages (c2r_quiet), which "
+                   "it never returns on their own; both sides go quiet and the message never leaves, "
+                   "though its isend() already reported success.")
+def test_credits_owed_for_credit_only_messages_never_starve_data():
+    """Found by the state machine (shrunk): send_depth 1, 4 credits, no coalescing."""
+    pair = MemPair(memory.CAP_SEND_ANY_MEMORY, 1, coalesce=0, credits=4)
+    try:
+        assert pair.settle()
+        reqs = [pair.eps[0].isend(b"a"), pair.eps[0].isend(b"b")]
+        pair.link.deliver(pair.deliverable()[0][0])     # "a" leaves; its completion waits
+        reqs.append(pair.eps[0].isend(b"c"))
+        reqs += [pair.eps[1].isend(b"x"), pair.eps[1].isend(b"y")]
+        assert pair.settle()
+        got = []
+        for _ in range(3):
+            m = pair.eps[1]._try_recv()
+            pair.settle()
+            got.append(None if m is None else bytes(m))
+        assert got == [b"a", b"b", b"c"]
+    finally:
+        pair.close()
+
+
+def test_the_memory_fabric_is_no_user_backend():
+    from fabric import backends
+    assert "memory" not in backends.KNOWN and "memory" not in backends.NAMES
+    with pytest.raises(fabric.BackendUnavailable):
+        backends.get("memory")
