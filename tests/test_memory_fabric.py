@@ -70,7 +70,7 @@ class MemoryFabricMachine(RuleBasedStateMachine):
     @initialize(caps=st.sets(st.sampled_from(["send_any", "read_any", "copies", "ordered_close"])),
                 send_depth=st.integers(1, 4), rkey_len=st.sampled_from([8, 24]),
                 coalesce=st.integers(0, 1), credits=st.sampled_from([4, 8]),
-                chunks=st.integers(1, 3), budget=st.sampled_from([1 << 30] if KNOWN_BUGS else [1 << 20, 6000]),
+                chunks=st.integers(1, 3), budget=st.sampled_from([1 << 30, 1 << 20, 6000]),
                 pattern=st.integers(0, 255), faults=st.booleans(), handshake=st.booleans())
     def setup(self, caps, send_depth, rkey_len, coalesce, credits, chunks, budget, pattern, faults, handshake):
         flags = memory.DEFAULT_CAPS & ~memory.CAP_ORDERED_CLOSE
@@ -199,8 +199,6 @@ class MemoryFabricMachine(RuleBasedStateMachine):
         else:
             obj = [msg]
         multi = size > EAGER and sum(-(-len(seg) // CHUNK) for seg in obj) > 1
-        if multi and KNOWN_BUGS and any(self.closing):
-            return      # ENGINE BUG 1 (see test_close_during_a_multi_chunk_send): keep exploring past it
         req = self.pair.eps[side].isend(obj if len(obj) > 1 else obj[0])
         d.sent.append(msg)
         d.reqs.append((len(d.sent) - 1, req, multi))
@@ -280,10 +278,6 @@ class MemoryFabricMachine(RuleBasedStateMachine):
     def close_gracefully(self, side, chance):
         if chance:
             return
-        if KNOWN_BUGS and self.multi_chunk_unfinished():
-            self.poll_requests()
-            if self.multi_chunk_unfinished():
-                return  # ENGINE BUG 1: a CLOSE overtakes the later chunks' announcements
         if not self.closing[side] and not self.closed[side]:
             self.closing[side] = True
             self.pair.eps[side]._close_begin()
@@ -319,8 +313,6 @@ class MemoryFabricMachine(RuleBasedStateMachine):
 
     @invariant()
     def registrations_only_for_transfers(self):
-        if KNOWN_BUGS and not self.read_any:
-            return      # ENGINE BUG 2 (test_a_received_rendezvous_leaves_no_registration)
         for side in (0, 1):
             dbg = self.pair.debug(side)
             if self.closed[side] or dbg is None or dbg["state"] != 2:
@@ -376,8 +368,6 @@ class MemoryFabricMachine(RuleBasedStateMachine):
                 balance = pair.credits_balance(sender)
                 assert balance is None or balance == self.credits
             for side in (0, 1):
-                if KNOWN_BUGS and not self.read_any:
-                    break       # ENGINE BUG 2
                 if not self.closed[side] and pair.debug(side) and pair.debug(side)["state"] == 2:
                     assert pair.eps[side].stats()["registered_regions"] == 0
 
@@ -454,10 +444,6 @@ def _receive(pair, side, buf=None, rounds=200):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason="ENGINE BUG 1: close() while a rendezvous has chunks still to "
-                   "announce sends CLOSE ahead of them (CLOSE goes in the data path, later RNDV "
-                   "announcements in control slabs after it); the peer fails with 'peer sent frames "
-                   "after CLOSE' and the message is lost. Reproduced over tcp as well.")
 def test_close_during_a_multi_chunk_send():
     """Found by the state machine; deliveries here are all in order."""
     pair = MemPair(chunks_in_flight=1)
@@ -476,10 +462,6 @@ def test_close_during_a_multi_chunk_send():
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("into", [False, True], ids=["recv", "recv_into"])
-@pytest.mark.xfail(strict=True, reason="ENGINE BUG 2: without FAB_CAP_READ_ANY_MEMORY (verbs) every "
-                   "received rendezvous message leaves its destination registered until the channel "
-                   "closes: on_read_done deregisters it after the last chunk, then calls issue_reads(), "
-                   "which registers the destination again with nothing left to read.")
 def test_a_received_rendezvous_leaves_no_registration(into):
     pair = MemPair(memory.DEFAULT_CAPS)             # no READ_ANY_MEMORY: reads need a registered dst
     try:
@@ -532,10 +514,6 @@ def test_credits_never_outrun_the_posted_receive_buffers():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason="ENGINE BUG 4: deadlock once messages buffered behind a rendezvous "
-                   "exceed recv_budget: the receiver holds every credit (held), so the sender cannot post "
-                   "the control frames that announce the rendezvous' next chunks, and the application's "
-                   "receive waits on that rendezvous forever. Reproduced over tcp as well.")
 def test_buffered_messages_behind_a_rendezvous_never_starve_it():
     """Found by the state machine (shrunk); every delivery here is in order."""
     pair = MemPair(memory.DEFAULT_CAPS & ~memory.CAP_ORDERED_CLOSE, 1, coalesce=0, credits=4,

@@ -79,7 +79,7 @@ cdef int issue_reads(ep_t* ep, inmsg_t* m) noexcept nogil:
     cdef int rc
     cdef fab_mr* dst_mr = NULL
     if not (ep.ch.caps & FAB_CAP_READ_ANY_MEMORY):
-        if not m.dst_registered:
+        if not m.dst_registered and m.descs != NULL:   # (none left: a finished message)
             rc = ep.ch.ops.reg(ep.ch, m.data, m.total, &m.dst_mr)
             if rc < 0:
                 ep_fail(ep, -rc, "registering the receive buffer failed")
@@ -389,7 +389,7 @@ cdef int on_chunk_done(ep_t* ep, frame_t* f) noexcept nogil:
 cdef int on_fabric_msg(ep_t* ep, const uint8_t* data, size_t length) noexcept nogil:
     """Handle every frame of one received fabric message."""
     cdef size_t pos = 0
-    cdef int used, counts = 1, only_credits = 1
+    cdef int used, counts = 1, only_credits = 1, has_data = 0
     cdef frame_t f
     cdef const char* error = NULL
     ep.fabric_recvs += 1
@@ -418,6 +418,7 @@ cdef int on_fabric_msg(ep_t* ep, const uint8_t* data, size_t length) noexcept no
             ep_fail(ep, EPROTO, "peer sent frames after CLOSE")
             return -1
         if f.type == F_EAGER:
+            has_data = 1
             if on_eager(ep, &f) < 0:
                 return -1
         elif f.type == F_RNDV:
@@ -432,8 +433,12 @@ cdef int on_fabric_msg(ep_t* ep, const uint8_t* data, size_t length) noexcept no
         if only_credits:
             ep.c2r += 1       # no data held: back at once, but not worth a CREDIT of its own
             ep.c2r_quiet += 1
-        elif ep.inbuf_bytes > ep.w.opts.recv_budget:
-            ep.held += 1      # bound the peer: its credit comes back when the app receives
+        elif has_data and ep.inbuf_bytes > ep.w.opts.recv_budget:
+            # Bound the peer: its credit comes back when the app receives.
+            # Only messages carrying data: holding the credits of RNDV
+            # announcements would stall the rendezvous that the buffered
+            # messages wait behind (a deadlock).
+            ep.held += 1
         else:
             ep.c2r += 1
     return 0

@@ -323,13 +323,30 @@ cdef int frame_queue(ep_t* ep) noexcept nogil:
             op.state = OP_RNDV
             op.next = ep.rndv_out
             ep.rndv_out = op
-    if ep.close_requested and not ep.close_sent and ep.state == EP_OPEN:
-        room = data_room(ep, FRAME_HEADER)
-        if room != NULL:
-            put_header(room, F_CLOSE, 0, 0, 0, 0, 0)
-            ep.close_sent = 1
-            fault_due(ep, FS_CLOSE, ep.open_data.seq)
+    maybe_put_close(ep)
     return 0
+
+cdef bint all_announced(ep_t* ep) noexcept nogil:
+    """Every chunk of every rendezvous in flight has been announced."""
+    cdef sendop_t* op = ep.rndv_out
+    while op != NULL:
+        if op.announced < op.nchunks or op.native_first != NULL:
+            return 0
+        op = op.next
+    return 1
+
+cdef void maybe_put_close(ep_t* ep) noexcept nogil:
+    """CLOSE goes after everything queued before it, announcements of
+    rendezvous chunks included: the peer refuses frames after CLOSE."""
+    cdef uint8_t* room
+    if (not ep.close_requested or ep.close_sent or ep.state != EP_OPEN
+            or ep.sendq_head != NULL or not all_announced(ep)):
+        return
+    room = data_room(ep, FRAME_HEADER)
+    if room != NULL:
+        put_header(room, F_CLOSE, 0, 0, 0, 0, 0)
+        ep.close_sent = 1
+        fault_due(ep, FS_CLOSE, ep.open_data.seq)
 
 cdef int ep_flush(ep_t* ep) noexcept nogil:
     """Frame what is queued and post what credits and the backend allow:
@@ -378,6 +395,10 @@ cdef int ep_flush(ep_t* ep) noexcept nogil:
                     return -1
                 more |= rc
             op = op.next
+        if ep.close_requested and not ep.close_sent:
+            maybe_put_close(ep)       # the last announcement may just have gone out
+            if ep.close_sent:
+                more = 1
         if (not more and ep.ctrl == NULL and ep.ctrl_ready_head == NULL
                 and ep.pending_sends < ep.ch.send_depth and ep.peer_credits > 0):
             threshold = ep.w.opts.credits // 4
