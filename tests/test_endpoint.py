@@ -737,3 +737,49 @@ def test_idle_endpoints_send_nothing(backend_name, credits):
     finally:
         a.close(linger=0)
         b.close(linger=0)
+
+
+@pytest.mark.timeout(60)
+def test_close_right_after_a_many_chunk_send_delivers_it_whole(backend_name):
+    """Regression (found by the memory fabric): close() while a rendezvous
+    still had chunks to announce sent CLOSE ahead of those announcements;
+    the peer failed with 'peer sent frames after CLOSE' and lost the message."""
+    a = fabric.Fabric(backend_name, **small_options(chunks_in_flight=1))
+    b = fabric.Fabric(backend_name, **small_options(chunks_in_flight=1))
+    try:
+        lst = b.listen()
+        client = a.connect(lst.address, timeout=10)
+        server = lst.accept(timeout=10)
+        data = os.urandom(6 * CHUNK + 5)
+        client.isend(data)
+        client.close()                       # flushes: the message first, then CLOSE
+        assert server.recv(timeout=20) == data
+        with pytest.raises(fabric.ConnectionClosed):
+            server.recv(timeout=20)
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.timeout(60)
+def test_messages_buffered_behind_a_rendezvous_over_budget_do_not_stall_it(backend_name):
+    """Regression (found by the memory fabric): small messages queued behind a
+    large one pushed the receiver over recv_budget; it then held the credits
+    of the RNDV announcements too, and the large message never completed."""
+    opts = small_options(recv_budget=6000, chunks_in_flight=1)
+    a = fabric.Fabric(backend_name, **opts)
+    b = fabric.Fabric(backend_name, **opts)
+    try:
+        lst = b.listen()
+        client = a.connect(lst.address, timeout=10)
+        server = lst.accept(timeout=10)
+        msgs = [b"", b"", os.urandom(3 * CHUNK + 7), b"", b"", os.urandom(EAGER), b"x" * 100] * 3
+        reqs = [client.isend(m) for m in msgs]
+        time.sleep(0.5)                      # the receiver starts late: everything is buffered
+        for m in msgs:
+            assert server.recv(timeout=20) == m
+        for r in reqs:
+            r.wait(timeout=20)
+    finally:
+        a.close()
+        b.close()
