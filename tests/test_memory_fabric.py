@@ -176,13 +176,6 @@ class MemoryFabricMachine(RuleBasedStateMachine):
         self.posted[side] = None
         return True
 
-    def starved(self, sender):
-        """ENGINE BUG 5's signature: the sender is down to its reserved
-        credits, the receiver owes some, and nothing is in flight."""
-        ds, dr = self.pair.debug(sender), self.pair.debug(1 - sender)
-        return (ds is not None and dr is not None and ds["peer_credits"] <= 2 and dr["c2r"] > 0
-                and not self.pair.link.pending())
-
     # -------------------------------------------------------------- rules
     def multi_chunk_unfinished(self):
         return any(multi for d in self.dirs for _, _, multi in d.reqs)
@@ -357,12 +350,10 @@ class MemoryFabricMachine(RuleBasedStateMachine):
         if self.clean:
             for side in (0, 1):
                 d = self.dirs[side]
-                if KNOWN_BUGS and self.starved(side):
-                    continue    # ENGINE BUG 5 (test_credits_owed_for_credit_only_messages_never_starve_data)
                 if not self.closed[1 - side] and not self.closing[1 - side]:
                     assert d.next == len(d.sent), \
                         f"side {1 - side} received {d.next} of {len(d.sent)} messages"
-                if not any(self.closing) and not any(self.closed) and not (KNOWN_BUGS and self.starved(1 - side)):
+                if not any(self.closing) and not any(self.closed):
                     assert not d.reqs, f"{len(d.reqs)} sends of side {side} never completed"
             for sender in (0, 1):
                 balance = pair.credits_balance(sender)
@@ -532,10 +523,6 @@ def test_buffered_messages_behind_a_rendezvous_never_starve_it():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason="ENGINE BUG 5: a message framed into a slab waits for a credit above "
-                   "CREDIT_RESERVE; the peer owes credits only for credit-only messages (c2r_quiet), which "
-                   "it never returns on their own; both sides go quiet and the message never leaves, "
-                   "though its isend() already reported success.")
 def test_credits_owed_for_credit_only_messages_never_starve_data():
     """Found by the state machine (shrunk): send_depth 1, 4 credits, no coalescing."""
     pair = MemPair(memory.CAP_SEND_ANY_MEMORY, 1, coalesce=0, credits=4)

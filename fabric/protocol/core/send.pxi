@@ -404,12 +404,15 @@ cdef int ep_flush(ep_t* ep) noexcept nogil:
             threshold = ep.w.opts.credits // 4
             if threshold < 1:
                 threshold = 1
-            # Credits owed for credit-only messages do not count: two idle
-            # peers would otherwise answer each CREDIT with a CREDIT forever
-            # (with credits < 8 the threshold is 1). They ride on the next
-            # message, and each explicit CREDIT needs `threshold` real
-            # messages first, so at most one is ever owed this way.
-            if ep.c2r - ep.c2r_quiet >= threshold:
+            # Credits owed for credit-only messages count apart: answering
+            # each CREDIT with a CREDIT would never end between idle peers.
+            # They go back once CREDIT_RESERVE of them are owed: each such
+            # CREDIT then needs two credit-only messages and makes the peer
+            # owe one, so an exchange dies out; and a sender starved at its
+            # reserve (its data waits for credits above CREDIT_RESERVE) is
+            # owed at least that many whenever the real ones are below the
+            # threshold (credits >= 4), so it always gets them back.
+            if ep.c2r - ep.c2r_quiet >= threshold or ep.c2r_quiet >= CREDIT_RESERVE:
                 # Nothing to piggyback on: return credits explicitly.
                 put_header(ctrl_room(ep, FRAME_HEADER), F_CREDIT, 0, 0, 0, 0, 0)
                 more = 1
