@@ -369,6 +369,9 @@ class ConnectionCore:
                 self._goaway_finish()
             elif self.keepalive is not None:
                 self.keepalive.ping_acknowledged()
+                # the tick waiting is the ACK's watchdog: tick now, so the
+                # next PING comes keepalive_time after this one, not then
+                self._schedule_tick(self._now())
         elif isinstance(ev, E.PingReceived):
             if self.keepalive is not None and not self.client_side and \
                     self.keepalive.ping_received(self._now(), len(self.calls)):
