@@ -25,6 +25,8 @@ cdef slab_t* slab_get(ep_t* ep, int control) noexcept nogil:
             s.mr = <fab_mr*>(<char*>s + sizeof(slab_t))
             if ep.ch.ops.reg(ep.ch, s.data, ep.slab_cap, s.mr) < 0:
                 free(s)
+                if ep.ch.failed:
+                    ep_channel_failed(ep)   # the real reason, not "out of memory"
                 return NULL
             ep.own_regions += 1
         ep.slabs_total += 1
