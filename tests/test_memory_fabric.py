@@ -40,13 +40,9 @@ CHUNK = small_options()["chunk_size"]
 # rendezvous, chunk boundaries, several chunks (more than chunks_in_flight)
 SIZES = st.sampled_from([0, 1, 100, 2000, EAGER, EAGER + 1, CHUNK, CHUNK + 1, 3 * CHUNK + 7, 4 * CHUNK + 100])
 BIG = 5 * CHUNK
-# Steer the state machine around the engine bugs this test found (the
-# tests named in the comments reproduce them, marked xfail): set
-# FABRIC_MEMORY_KNOWN_BUGS=0 to let hypothesis walk into them again.
 # destructive rules (failures, closes) fire on a draw of 0 only, so most
 # runs get some traffic through first (and shrinking can still remove them)
 RARE = st.integers(0, 5)
-KNOWN_BUGS = os.environ.get("FABRIC_MEMORY_KNOWN_BUGS", "1") != "0"
 
 
 def payload(direction, index, size):
@@ -153,14 +149,6 @@ class MemoryFabricMachine(RuleBasedStateMachine):
             d.next += 1
             self.posted[side] = None
             return True
-        except fabric.ResourceLimit:
-            # ENGINE BUG 6: after its channel failed (reg() refuses), a fabric without
-            # SEND_ANY_MEMORY reports "out of memory for control frames" instead of the failure
-            assert KNOWN_BUGS and not self.clean
-            if d.conn_error is None:
-                d.conn_error = "resource limit after a channel failure"
-            self.posted[side] = None
-            return True
         except fabric.ProtocolError as e:        # no fault here ever garbles a frame
             raise AssertionError(f"protocol error over the memory fabric: {e}") from e
         except fabric.ConnectionLost as e:       # ConnectionClosed included
@@ -177,9 +165,6 @@ class MemoryFabricMachine(RuleBasedStateMachine):
         return True
 
     # -------------------------------------------------------------- rules
-    def multi_chunk_unfinished(self):
-        return any(multi for d in self.dirs for _, _, multi in d.reqs)
-
     @rule(side=st.integers(0, 1), size=SIZES, scatter=st.integers(1, 3))
     def send(self, side, size, scatter):
         if not self.open_for_send(side):
