@@ -150,14 +150,20 @@ class _Driver:
         key = ANY if obj is self.worker else obj.key
         fut = loop.create_future()
         self.shared.add(key, fut)
-        if obj._gen != seen:
-            fut.set_result(None)             # it moved while we were getting here
         self.nwaiters += 1
-        self._watch(True)
         handle = None
-        if deadline is not None:
-            handle = loop.call_at(deadline, _resolve_one, fut)
         try:
+            # Watch first, compare second: the engine queues moves for
+            # poll_events() only once a loop is attached (the first _watch),
+            # so a move before that is seen only by the comparison below.
+            # Compared first, a move between the two was lost until the
+            # deadline (the first coroutine of a loop, with the progress
+            # thread delivering).
+            self._watch(True)
+            if obj._gen != seen:
+                fut.set_result(None)             # it moved while we were getting here
+            if deadline is not None:
+                handle = loop.call_at(deadline, _resolve_one, fut)
             await fut
         finally:
             self.nwaiters -= 1

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import fabric
-from conftest import small_options
+from conftest import connect_pair, small_options
 
 EAGER = small_options()["eager_limit"]
 CHUNK = small_options()["chunk_size"]
@@ -158,3 +158,43 @@ def test_progress_made_by_another_coroutine_wakes_the_receiver(progress_by):
         fab.close()
         other.close()
     run(main())
+
+
+@pytest.mark.timeout(90)
+def test_first_wait_of_a_loop_sees_what_arrived_while_it_attached(backend_name, monkeypatch):
+    """The first coroutine of a loop to wait on a Fabric attaches the loop;
+    the progress thread may deliver the awaited message at that moment. The
+    wait compared the endpoint's generation before attaching, and the engine
+    queues moves for the loop only once attached: that message was seen only
+    at the receive's deadline (CI: 30 s, then a failed test, on verbs)."""
+    import time
+
+    from fabric import aio
+
+    fab = fabric.Fabric(backend_name, **small_options())       # no loop has used it yet
+    other = fabric.Fabric(backend_name, **small_options())
+    client, server = connect_pair(fab, other)
+    attach = aio._Driver._watch
+    delivered = []
+
+    def attach_after_delivery(self, on):
+        if on and not self.watching and not delivered:
+            before = client.stats()["fabric_recvs"]
+            server.send(b"while attaching")
+            deadline = time.monotonic() + 30
+            # the progress thread (the loop is not attached yet) takes it
+            while client.stats()["fabric_recvs"] == before and time.monotonic() < deadline:
+                time.sleep(0.005)
+            delivered.append(client.stats()["fabric_recvs"] > before)
+        attach(self, on)
+
+    monkeypatch.setattr(aio._Driver, "_watch", attach_after_delivery)
+
+    async def main():
+        # no receive timeout: only the hang limit below ends a lost wake-up
+        return await asyncio.wait_for(client.arecv(), 20)
+
+    assert asyncio.run(main()) == b"while attaching"
+    assert delivered == [True]
+    fab.close()
+    other.close()

@@ -246,11 +246,20 @@ def test_sync_and_async_users_of_one_fabric_at_once(backend_name):
             data = b"%d:%d" % (i, k) * (1 + (k * 37) % 300)
             await c.asend(data)
             assert bytes(await c.arecv(timeout=30)) == data
+            progress[i] = k + 1
+
+    progress = [0] * len(pairs)
 
     async def main():
         await asyncio.gather(*[client(c, i) for i, (c, _) in enumerate(pairs)])
 
-    asyncio.run(asyncio.wait_for(main(), 100))
+    try:
+        asyncio.run(asyncio.wait_for(main(), 100))
+    except (fabric.Timeout, asyncio.TimeoutError) as e:
+        # a hang: where every pair was, and what both engines hold
+        raise AssertionError(f"{e!r}; rounds done per pair {progress}; servers: {errors}; "
+                             f"client side: {fab._worker._debug_state()}; "
+                             f"server side: {other._worker._debug_state()}") from e
     for t in threads:
         t.join(30)
     assert not errors, errors
