@@ -29,7 +29,7 @@ ENDPOINT_BACKENDS = [b for b in os.environ.get("FABRIC_TEST_BACKENDS", ",".join(
 # bootstrap has chosen shared memory; it runs where that choice matters
 # (connection set-up, failures, lifetimes, asyncio) unless asked for by name,
 # which keeps the CI run short.
-AUTO_UCX_MODULES = {"test_endpoint", "test_faults", "test_lifecycle", "test_asyncio", "test_examples"}
+AUTO_UCX_MODULES = {"test_endpoint", "test_faults", "test_lifecycle", "test_asyncio", "test_examples", "test_dask"}
 
 
 @pytest.fixture(params=ENDPOINT_BACKENDS)
