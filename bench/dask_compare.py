@@ -5,8 +5,10 @@
 
 Each protocol gets a LocalCluster of 2 worker processes (1 thread each, as
 a user starts it); rounds interleave the protocols. Per round:
-- worker-to-worker transfers of a numpy array of each size: the array is
-  made on worker A, then a task on worker B that needs it; wall time from
+- worker-to-worker transfers of a numpy array of each size (--repeats
+  times, a new array each time; the median, and the first one apart: it
+  pays for memory the VM touches for the first time): the array is made
+  on worker A, then a task on worker B that needs it; wall time from
   submitting B's task to its result (GB/s = size / time), and the time
   B's own transfer log gives for the bytes it fetched;
 - 5000 no-op tasks submitted at once, tasks/s (control messages only);
@@ -57,7 +59,7 @@ def incoming_log(dask_worker):
     return [dict(entry) for entry in dask_worker.transfer_incoming_log]
 
 
-def measure(protocol, sizes, tasks, array_side, chunk):
+def measure(protocol, sizes, tasks, array_side, chunk, repeats):
     import dask
     import dask.array as da
     from distributed import Client, LocalCluster, wait
@@ -70,18 +72,21 @@ def measure(protocol, sizes, tasks, array_side, chunk):
         client.submit(nbytes_of, client.submit(make_array, 1 << 20, workers=[a], pure=False),
                       workers=[b], pure=False).result()
         for size in sizes:
-            data = client.submit(make_array, size, workers=[a], pure=False)
-            wait(data)
-            before = len(client.run(incoming_log, workers=[b])[b])
-            started = time.perf_counter()
-            assert client.submit(nbytes_of, data, workers=[b], pure=False).result() == size // 8 * 8
-            wall = time.perf_counter() - started
-            log = client.run(incoming_log, workers=[b])[b][before:]
-            logged = sum(e["duration"] for e in log) or float("nan")
-            out[f"transfer {human(size)} wall s"] = wall
-            out[f"transfer {human(size)} log s"] = logged
-            client.cancel(data)
-            del data
+            walls, logs = [], []
+            for _ in range(repeats):
+                data = client.submit(make_array, size, workers=[a], pure=False)
+                wait(data)
+                before = len(client.run(incoming_log, workers=[b])[b])
+                started = time.perf_counter()
+                assert client.submit(nbytes_of, data, workers=[b], pure=False).result() == size // 8 * 8
+                walls.append(time.perf_counter() - started)
+                log = client.run(incoming_log, workers=[b])[b][before:]
+                logs.append(sum(e["duration"] for e in log) or float("nan"))
+                client.cancel(data)
+                del data
+            out[f"transfer {human(size)} wall s"] = statistics.median(walls)
+            out[f"transfer {human(size)} log s"] = statistics.median(logs)
+            out[f"transfer {human(size)} first wall s"] = walls[0]
         started = time.perf_counter()
         client.gather(client.map(noop, range(tasks), pure=False))
         out["no-op tasks/s"] = tasks / (time.perf_counter() - started)
@@ -101,6 +106,7 @@ def main():
     ap.add_argument("--protocols", default="tcp,fabric+tcp,fabric+ucx")
     ap.add_argument("--sizes", default="1M,16M,64M,256M")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="transfers per size per round (median)")
     ap.add_argument("--tasks", type=int, default=5000)
     ap.add_argument("--array", type=int, default=8000, help="side of the square array")
     ap.add_argument("--chunk", type=int, default=1000)
@@ -111,7 +117,7 @@ def main():
     runs: dict[str, list[dict]] = {p: [] for p in protocols}
     for r in range(args.rounds):
         for p in protocols:
-            result = measure(p, sizes, args.tasks, args.array, args.chunk)
+            result = measure(p, sizes, args.tasks, args.array, args.chunk, args.repeats)
             runs[p].append(result)
             print(f"round {r + 1} {p}: " + ", ".join(f"{k} {v:.4g}" for k, v in result.items()),
                   file=sys.stderr, flush=True)
@@ -134,7 +140,7 @@ def main():
         cells = []
         for key_value in row:
             cells.append(f"{key_value:.0f}" if "tasks/s" in key else f"{key_value:.3f}")
-        if key.startswith("transfer") and key.endswith("wall s"):
+        if key.startswith("transfer") and key.endswith(" wall s") and "first" not in key:
             size = parse_size(key.split()[1] + key.split()[2][0])
             cells = [f"{v:.3f} ({size / v / 1e9:.2f} GB/s)" for v in row]
         lines.append(f"| {key} | " + " | ".join(cells) + " | " + " | ".join(f"{q:.2f}x" for q in ratios)
