@@ -95,3 +95,34 @@ def test_the_wheel_without_the_extra_says_what_ucx_needs(wheel):
     ok, reason = out["backends"]["ucx"]
     # no UCX at all, or (where Debian's libucx is installed) a UCX of another version
     assert not ok and "fabric-transport[ucx]" in reason, reason
+
+
+DASK_PROGRAM = r"""
+import json
+from importlib.metadata import entry_points
+names = sorted(e.name for e in entry_points(group="distributed.comm.backends"))
+out = {"schemes": names}
+try:
+    from distributed import Client, LocalCluster
+except ImportError:
+    out["cluster"] = None
+else:
+    with LocalCluster(protocol="fabric+tcp://", n_workers=1, processes=False, dashboard_address=None,
+                      silence_logs=40) as cluster, Client(cluster) as client:
+        out["cluster"] = client.submit(sum, [1, 2, 3]).result()
+        out["address"] = cluster.scheduler_address.split("://")[0]
+print(json.dumps(out))
+"""
+
+
+def test_the_wheel_names_its_dask_schemes_and_the_dask_extra_runs_a_cluster(wheel):
+    """Installed from the wheel, Dask finds fabric's schemes by entry points
+    alone; with [dask] a cluster runs on fabric+tcp://."""
+    import json
+    work, path = wheel
+    plain = _venv_with(work, "plain-dask", path)
+    out = json.loads(_run([plain, "-c", DASK_PROGRAM], cwd=work).stdout)
+    assert out == {"schemes": ["fabric", "fabric+tcp", "fabric+ucx", "fabric+verbs"], "cluster": None}
+    with_dask = _venv_with(work, "with-dask", f"{path}[dask]")
+    out = json.loads(_run([with_dask, "-c", DASK_PROGRAM], cwd=work).stdout)
+    assert out["cluster"] == 6 and out["address"] == "fabric+tcp", out
