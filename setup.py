@@ -12,8 +12,20 @@ import sys
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext as _build_ext
 
 DEBUG = os.environ.get("FABRIC_DEBUG_BUILD") == "1"
+# the extensions compile in parallel, one job per core (FABRIC_BUILD_JOBS=1: one at a time)
+JOBS = int(os.environ.get("FABRIC_BUILD_JOBS") or 0) or os.cpu_count() or 1
+
+
+class build_ext(_build_ext):
+    """setuptools' build_ext, parallel by default (-j still wins)."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if not self.parallel and JOBS > 1:
+            self.parallel = JOBS
 CFLAGS = ["-O0", "-g"] if DEBUG else ["-O2"]
 
 
@@ -92,8 +104,10 @@ else:
                           library_dirs=[lib], libraries=["ucp", "ucs"], runtime_library_dirs=rpaths))
 
 setup(
+    cmdclass={"build_ext": build_ext},
     ext_modules=cythonize(
         extensions,
+        nthreads=JOBS if JOBS > 1 else 0,
         language_level=3,
         compiler_directives={
             "boundscheck": DEBUG,

@@ -21,7 +21,9 @@ import fabric.grpc as fgrpc  # noqa: E402
 import fabric.grpc.aio as faio  # noqa: E402
 from tcp_proxy import Proxy  # noqa: E402
 
-pytestmark = pytest.mark.timeout(90)
+# serial: these count pings and watch timers over fractions of a second, so
+# tools/test.sh runs them after the parallel part, with the machine to themselves
+pytestmark = [pytest.mark.timeout(90), pytest.mark.serial]
 
 # (client, server); stock against stock is the reference of what grpcio does
 PAIRS = ["fabric>grpcio", "grpcio>fabric", "fabric>fabric", "grpcio>grpcio"]

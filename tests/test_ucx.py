@@ -39,7 +39,8 @@ def test_memory_maps_are_released_after_each_message(tls):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("garbage", [os.urandom(64), b"FUCX" + bytes(16), b"FUCX\x01\x00\x00\x00" + bytes(8) + b"\xff\xff\xff\xff"])
+@pytest.mark.parametrize("garbage", [os.urandom(64), b"FUCX" + bytes(16), b"FUCX\x01\x00\x00\x00" + bytes(8) + b"\xff\xff\xff\xff"],
+                         ids=["random", "zero-header", "huge-length"])
 def test_listener_survives_garbage(tls, garbage):
     fab = fabric.Fabric("ucx", **small_options(handshake_timeout=2.0))
     lst = fab.listen("127.0.0.1:0")

@@ -7,8 +7,18 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh test || exit 1
 export PYTHONFAULTHANDLER=1
-.venv/bin/python -m pytest -p no:cacheprovider "$@" tests
+# One pytest worker per core, a test file per worker at a time (FABRIC_TEST_JOBS=1:
+# one process); tests marked serial (timers, rates) run afterwards, alone.
+jobs="${FABRIC_TEST_JOBS:-$(nproc)}"
+parallel=()
+[ "$jobs" -gt 1 ] && parallel=(-n "$jobs" --dist loadfile)
+.venv/bin/python -m pytest -p no:cacheprovider "${parallel[@]}" -m "not serial" "$@" tests
 host=$?
+[ "$host" = 5 ] && host=0          # a -k filter can leave nothing to run here
+.venv/bin/python -m pytest -p no:cacheprovider -m serial "$@" tests
+serial=$?
+[ "$serial" = 5 ] && serial=0
+[ "$serial" = 0 ] || host=$serial
 guest=0
 if why=$(.venv/bin/python tools/softroce.py --check 2>&1); then
     echo "== Soft-RoCE: the verbs suites inside a QEMU guest with rxe0"
@@ -19,7 +29,7 @@ if why=$(.venv/bin/python tools/softroce.py --check 2>&1); then
         .venv/bin/python -m pytest -p no:cacheprovider "$@" \
         tests/test_endpoint.py tests/test_asyncio.py tests/test_stream.py tests/test_grpc.py tests/test_grpc_aio.py tests/test_grpc_scale.py tests/test_verbs.py \
         tests/test_lifecycle.py tests/test_scale.py tests/test_faults.py tests/test_lifecycle_stateful.py \
-        tests/test_load.py
+        tests/test_load.py tests/test_dask.py
     guest=$?
     [ "$guest" = 5 ] && guest=0      # a -k filter can leave nothing to run in the guest
 else
