@@ -1,0 +1,104 @@
+"""fabric as a torch.distributed backend (fabric.torch), on every fabric.
+
+Each test starts WORLD processes of tests/torch_ranks.py (env:// init, or
+tcp:// and file://), one scenario each: the collectives against gloo and
+a reference, point to point with tags, DDP against gloo, a rank killed
+mid-collective, a timeout, destroy_process_group() cleaning up."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (tools/setup.sh installs it only from a "
+                                            "local CPU wheel; pip install fabric-transport[torch])")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+IN_GUEST = os.environ.get("FABRIC_TEST_BACKENDS") == "verbs"
+# how long a job may take before the test calls it a hang (the guest runs Python ~20x slower)
+HANG = 1500 if IN_GUEST else 300
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(backend_name, scenario, world, init="env", tmp_path=None, expect_exit=None):
+    port = free_port()
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
+               FABRIC_BACKEND=backend_name, OMP_NUM_THREADS="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if init == "tcp":
+        env["FABRIC_TEST_INIT"] = f"tcp://127.0.0.1:{port}"
+    elif init == "file":
+        env["FABRIC_TEST_INIT"] = f"file://{tmp_path / 'rendezvous'}"
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "torch_ranks.py"), scenario],
+                              env=dict(env, RANK=str(r)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True) for r in range(world)]
+    outputs = []
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=HANG)
+            outputs.append((p.returncode, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    bad = [(r, code, err) for r, (code, err) in enumerate(outputs)
+           if code != (expect_exit(r) if expect_exit else 0)]
+    assert not bad, "\n".join(f"rank {r} exited {code}:\n{err[-4000:]}" for r, code, err in bad)
+    return [err for _, err in outputs]
+
+
+@pytest.mark.timeout(HANG + 60)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_collectives_match_gloo_and_the_reference(backend_name, world):
+    if IN_GUEST and world > 2:
+        pytest.skip("the guest runs world size 2 (each rank imports torch for a minute under TCG)")
+    run_ranks(backend_name, "collectives", world)
+
+
+@pytest.mark.timeout(HANG + 60)
+def test_point_to_point_with_tags_and_batches(backend_name):
+    run_ranks(backend_name, "p2p", 3)
+
+
+@pytest.mark.timeout(HANG + 60)
+@pytest.mark.parametrize("init", ["tcp", "file"])
+def test_other_init_methods(backend_name, init, tmp_path):
+    if IN_GUEST:
+        pytest.skip("init methods do not depend on the fabric: the host runs them")
+    run_ranks(backend_name, "p2p", 2, init=init, tmp_path=tmp_path)
+
+
+@pytest.mark.timeout(HANG + 60)
+def test_fabric_as_the_default_group(backend_name):
+    run_ranks(backend_name, "default", 2)
+
+
+@pytest.mark.timeout(HANG + 60)
+def test_ddp_trains_as_on_gloo(backend_name):
+    run_ranks(backend_name, "ddp", 2)
+
+
+@pytest.mark.timeout(HANG + 60)
+def test_a_killed_rank_fails_the_others_naming_it(backend_name):
+    errs = run_ranks(backend_name, "kill", 3)
+    assert all("failed after" in e for e in errs[:2]), errs
+
+
+@pytest.mark.timeout(HANG + 60)
+def test_a_missing_rank_times_out(backend_name):
+    run_ranks(backend_name, "timeout", 2)
+
+
+@pytest.mark.timeout(HANG + 60)
+def test_destroy_process_group_leaves_nothing(backend_name):
+    run_ranks(backend_name, "destroy", 2)
