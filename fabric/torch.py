@@ -18,7 +18,7 @@ the destination's storage (zero-copy rendezvous; large messages are pulled
 in chunks by the engine). A header that does not belong to the transfer
 being waited for (a p2p tag received out of order) is kept until asked for.
 
-Algorithms, by size: all_reduce below ``RING_MIN`` bytes by recursive
+Algorithms, by size: all_reduce below ``FABRIC_TORCH_RING_MIN`` bytes by recursive
 doubling (log2 steps of whole tensors; folded for sizes that are not powers
 of two), above it by a ring reduce-scatter then ring all-gather; every rank
 ends with bit-identical results. broadcast and reduce by binomial trees,
@@ -61,8 +61,23 @@ HEADER = struct.Struct("<BBHIqQQ")       # kind, flags, 0, 0, tag, sequence, byt
 COLL, P2P, ABORT = 1, 2, 3
 INLINE_FLAG = 1
 INLINE = 16 * 1024          # bytes sent inside the header's message
-RING_MIN = int(os.environ.get("FABRIC_TORCH_RING_MIN", 256 * 1024))   # all_reduce: ring from here
-CHUNK = int(os.environ.get("FABRIC_TORCH_CHUNK", 1 << 20))   # ring pipelining unit, bytes
+# all_reduce takes the ring from RING_MIN bytes (FABRIC_TORCH_RING_MIN); the
+# ring moves CHUNK-byte pieces (FABRIC_TORCH_CHUNK). Both read per group.
+RING_MIN = 256 * 1024
+CHUNK = 1 << 20
+
+
+def _env_bytes(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected a number of bytes") from None
+    if value < 0:
+        raise ValueError(f"{name}={text!r}: expected a number of bytes >= 0")
+    return value
 UNFOLD = 1 << 30            # step number of recursive doubling's last transfer
 
 
@@ -350,6 +365,8 @@ class FabricProcessGroup(dist.ProcessGroup):
         self._seq = 0                       # collectives issued (same on every rank)
         self._broken: str | None = None
         self._closed = False
+        self._ring_min = _env_bytes("FABRIC_TORCH_RING_MIN", RING_MIN)
+        self._chunk = max(1, _env_bytes("FABRIC_TORCH_CHUNK", CHUNK))
         self._fabric = fabric.Fabric(os.environ.get("FABRIC_BACKEND") or None)
         self._peers: dict[int, _Peer] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()       # collectives, in issue order
@@ -477,8 +494,10 @@ class FabricProcessGroup(dist.ProcessGroup):
         """Receive everything rank p sends, in order: each header names the
         transfer it starts; its bytes go straight into the receive posted for
         it, else are kept until one is posted."""
+        waiter = None                      # the receive being filled, if any
         while True:
             try:
+                waiter = None
                 head = p.ep.recv()
                 if len(head) < HEADER.size:
                     raise FabricPGError(f"rank {p.rank} sent a malformed header ({len(head)} bytes)")
@@ -503,10 +522,14 @@ class FabricProcessGroup(dist.ProcessGroup):
                 with p.lock:
                     waiter = p.take_posted(key)
                 if waiter is not None and waiter.dest is not None and waiter.nbytes() == n:
-                    p.ep.recv_into(waiter.dest)           # zero-copy: straight into the tensor
+                    got = p.ep.recv_into(waiter.dest)     # zero-copy: straight into the tensor
+                    if got != n:
+                        raise FabricPGError(f"rank {p.rank} announced {n} bytes and sent {got}")
                     waiter.finish()
                     continue
                 message = p.ep.recv()
+                if len(message) != n:
+                    raise FabricPGError(f"rank {p.rank} announced {n} bytes and sent {len(message)}")
                 if waiter is None:
                     with p.lock:                           # a receive may have been posted meanwhile
                         waiter = p.take_posted(key)
@@ -515,16 +538,19 @@ class FabricProcessGroup(dist.ProcessGroup):
                 if waiter is not None:
                     waiter.fill(message)
             except (ConnectionClosed, ConnectionLost) as e:
-                p.fail("fabric process group: the group was destroyed" if self._closed
-                       else f"fabric process group: rank {p.rank} is gone ({e})")
-                return
+                error = ("fabric process group: the group was destroyed" if self._closed
+                         else f"fabric process group: rank {p.rank} is gone ({e})")
             except FabricPGError as e:
-                p.fail(f"fabric process group: {e}")
+                error = f"fabric process group: {e}"
                 p.ep.close(linger=0)
-                return
             except FabricError as e:
-                p.fail(f"fabric process group: receiving from rank {p.rank} failed: {e}")
-                return
+                error = f"fabric process group: receiving from rank {p.rank} failed: {e}"
+            else:
+                continue
+            p.fail(error)
+            if waiter is not None and not waiter.done.is_set():
+                waiter.fail(p.error or error)
+            return
 
     # ---- transfers
     def _send(self, peer: int, key: tuple, data) -> list:
@@ -594,7 +620,7 @@ class FabricProcessGroup(dist.ProcessGroup):
         if n == 1 or t.numel() == 0:
             _finish_avg(t, op, n)
             return
-        if t.numel() * t.element_size() < RING_MIN or t.numel() < n:
+        if t.numel() * t.element_size() < self._ring_min or t.numel() < n:
             self._allreduce_doubling(t, op, deadline, seq)
             _finish_avg(t, op, n)
         else:
@@ -654,7 +680,7 @@ class FabricProcessGroup(dist.ProcessGroup):
         right, left = (r + 1) % n, (r - 1) % n
         points = _split_points(t.numel(), n)
         seg = [t[points[i]:points[i + 1]] for i in range(n)]
-        per_chunk = max(1, CHUNK // t.element_size())
+        per_chunk = max(1, self._chunk // t.element_size())
 
         def chunks(i):
             size = seg[i].numel()

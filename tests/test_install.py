@@ -126,3 +126,42 @@ def test_the_wheel_names_its_dask_schemes_and_the_dask_extra_runs_a_cluster(whee
     with_dask = _venv_with(work, "with-dask", f"{path}[dask]")
     out = json.loads(_run([with_dask, "-c", DASK_PROGRAM], cwd=work).stdout)
     assert out["cluster"] == 6 and out["address"] == "fabric+tcp", out
+
+
+TORCH_PROGRAM = r"""
+import datetime, json, os, sys
+import torch, torch.distributed as dist
+import fabric.torch  # registers "fabric"
+rank = int(os.environ["RANK"])
+dist.init_process_group("fabric", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+t = torch.full((300000,), float(rank + 1))
+dist.all_reduce(t)
+out = {"backend": dist.get_backend(), "sum": float(t[0]), "torch": torch.__version__}
+dist.destroy_process_group()
+if rank == 0:
+    print(json.dumps(out))
+"""
+
+
+def test_the_torch_extra_installs_a_tested_torch_and_runs_a_group(wheel):
+    """With [torch], pip resolves a torch the backend is tested with (here the
+    local CPU wheel) and two ranks all-reduce over init_process_group("fabric")."""
+    import json
+    import socket
+    local = "/opt/wheels"
+    if not (os.path.isdir(local) and any(f.startswith("torch-2.13") for f in os.listdir(local))):
+        pytest.skip("no local CPU wheel of torch 2.13 (/opt/wheels): PyPI's default torch is a 3 GB CUDA download")
+    work, path = wheel
+    python = _venv_with(work, "with-torch", f"{path}[torch]")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FABRIC_BACKEND="tcp",
+               OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([python, "-c", TORCH_PROGRAM], env=dict(env, RANK=str(r)), cwd=work,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert outs[1][0] == "", outs[1]                  # nothing on stdout but what rank 0 prints
+    out = json.loads(outs[0][0])
+    assert out == {"backend": "fabric", "sum": 3.0, "torch": out["torch"]} and out["torch"].startswith("2.13"), out
