@@ -62,9 +62,13 @@ COLL, P2P, ABORT = 1, 2, 3
 INLINE_FLAG = 1
 INLINE = 16 * 1024          # bytes sent inside the header's message
 # all_reduce takes the ring from RING_MIN bytes (FABRIC_TORCH_RING_MIN); the
-# ring moves CHUNK-byte pieces (FABRIC_TORCH_CHUNK). Both read per group.
+# ring moves pieces of a quarter of a segment, within CHUNK_MIN..CHUNK_MAX
+# bytes (FABRIC_TORCH_CHUNK fixes the size). Read per group. Measured in
+# bench/torch_compare.py: fixed 1 MiB pieces lose up to 25% at 256 MiB to
+# per-message costs, 16 MiB pieces lose the pipelining at 16 MiB.
 RING_MIN = 256 * 1024
-CHUNK = 1 << 20
+CHUNK_MIN = 1 << 20
+CHUNK_MAX = 16 << 20
 
 
 def _env_bytes(name: str, default: int) -> int:
@@ -365,8 +369,9 @@ class FabricProcessGroup(dist.ProcessGroup):
         self._seq = 0                       # collectives issued (same on every rank)
         self._broken: str | None = None
         self._closed = False
+        self._scratch: torch.Tensor | None = None
         self._ring_min = _env_bytes("FABRIC_TORCH_RING_MIN", RING_MIN)
-        self._chunk = max(1, _env_bytes("FABRIC_TORCH_CHUNK", CHUNK))
+        self._chunk = _env_bytes("FABRIC_TORCH_CHUNK", 0)             # 0: by segment size
         self._fabric = fabric.Fabric(os.environ.get("FABRIC_BACKEND") or None)
         self._peers: dict[int, _Peer] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()       # collectives, in issue order
@@ -609,6 +614,15 @@ class FabricProcessGroup(dist.ProcessGroup):
         self._wait_sent(reqs, deadline)
         return got
 
+    def _scratch_space(self, nbytes: int) -> torch.Tensor:
+        """Scratch memory for incoming pieces, kept between collectives (only
+        the collectives' thread uses it): a fresh allocation of tens of MiB
+        costs a page fault per page on every call."""
+        if self._scratch is None or self._scratch.numel() < nbytes:
+            self._scratch = None
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return self._scratch[:nbytes]
+
     def _next_seq(self) -> int:
         self._seq += 1
         return self._seq
@@ -670,8 +684,8 @@ class FabricProcessGroup(dist.ProcessGroup):
                 self._wait_sent(self._send(r - 1, (COLL, UNFOLD, seq), buf), deadline)
 
     def _allreduce_ring(self, t, op, deadline, seq) -> None:
-        """Ring reduce-scatter then ring all-gather, in chunks of CHUNK bytes
-        pipelined along the ring: a chunk goes on to the next rank as soon as
+        """Ring reduce-scatter then ring all-gather, in chunks (a quarter of a
+        segment, 1 to 16 MiB) pipelined along the ring: a chunk goes on to the next rank as soon as
         it is reduced (or, in the all-gather, received), while later chunks
         are still on the wire. Incoming chunks land in two alternating
         scratch buffers (reduce-scatter) or straight in the tensor
@@ -680,7 +694,8 @@ class FabricProcessGroup(dist.ProcessGroup):
         right, left = (r + 1) % n, (r - 1) % n
         points = _split_points(t.numel(), n)
         seg = [t[points[i]:points[i + 1]] for i in range(n)]
-        per_chunk = max(1, self._chunk // t.element_size())
+        piece = self._chunk or min(max(points[1] * t.element_size() // 4, CHUNK_MIN), CHUNK_MAX)
+        per_chunk = max(1, piece // t.element_size())
 
         def chunks(i):
             size = seg[i].numel()
@@ -690,7 +705,8 @@ class FabricProcessGroup(dist.ProcessGroup):
             return (COLL, (step << 32) | c, seq)
 
         biggest = max(s.numel() for s in seg)
-        scratch = [torch.empty(biggest, dtype=t.dtype), torch.empty(biggest, dtype=t.dtype) if n > 2 else None]
+        space = self._scratch_space(2 * biggest * t.element_size()).view(t.dtype)
+        scratch = [space[:biggest], space[biggest:2 * biggest]]
         sends: list = []
 
         def post_rs(s):

@@ -254,6 +254,16 @@ def collectives():
                     return out
                 out, _ = run_both(rs_tensor, fab, gloo)
                 check(same(out, expect, exact_op), f"reduce_scatter_tensor {dtype} {op} n={n}")
+    # the ring in many small pieces (64 KiB), each of which must land whole
+    os.environ["FABRIC_TORCH_CHUNK"] = "65536"
+    small_pieces = dist.new_group(backend="fabric")
+    del os.environ["FABRIC_TORCH_CHUNK"]
+    for dtype, op in ((torch.float32, ReduceOp.SUM), (torch.int64, ReduceOp.MAX), (torch.bfloat16, ReduceOp.AVG)):
+        inputs = [make(r, 1_000_003, dtype, salt=31) for r in range(WORLD)]
+        t = inputs[RANK].clone()
+        dist.all_reduce(t, op=op, group=small_pieces)
+        check(same(t, reference(op, inputs), exact_for(dtype) and op != ReduceOp.AVG),
+              f"all_reduce {dtype} {op} in 64 KiB pieces")
     # non-contiguous tensors in and out
     base = torch.arange(40, dtype=torch.float32).reshape(5, 8) + RANK
     t = base.t()                                    # not contiguous
