@@ -61,12 +61,16 @@ HEADER = struct.Struct("<BBHIqQQ")       # kind, flags, 0, 0, tag, sequence, byt
 COLL, P2P, ABORT = 1, 2, 3
 INLINE_FLAG = 1
 INLINE = 16 * 1024          # bytes sent inside the header's message
-# all_reduce takes the ring from RING_MIN bytes (FABRIC_TORCH_RING_MIN); the
+# all_reduce takes the ring from RING_MIN bytes (FABRIC_TORCH_RING_MIN),
+# measured (bench/torch_compare.py @ring against @doubling; RESULTS.md):
+# recursive doubling wins below 2-4 MiB on ucx at 2 ranks and on tcp and ucx
+# at 4, below 0.5-1 MiB on tcp at 2 ranks. The
 # ring moves pieces of a quarter of a segment, within CHUNK_MIN..CHUNK_MAX
 # bytes (FABRIC_TORCH_CHUNK fixes the size). Read per group. Measured in
 # bench/torch_compare.py: fixed 1 MiB pieces lose up to 25% at 256 MiB to
 # per-message costs, 16 MiB pieces lose the pipelining at 16 MiB.
-RING_MIN = 256 * 1024
+RING_MIN = 2 << 20
+RING_MIN_TCP_PAIR = 512 << 10     # tcp, two ranks: the ring's halved reduction pays off sooner
 CHUNK_MIN = 1 << 20
 CHUNK_MAX = 16 << 20
 
@@ -370,9 +374,11 @@ class FabricProcessGroup(dist.ProcessGroup):
         self._broken: str | None = None
         self._closed = False
         self._scratch: torch.Tensor | None = None
-        self._ring_min = _env_bytes("FABRIC_TORCH_RING_MIN", RING_MIN)
         self._chunk = _env_bytes("FABRIC_TORCH_CHUNK", 0)             # 0: by segment size
+        self._ring_min = _env_bytes("FABRIC_TORCH_RING_MIN", -1)       # -1: the fabric's own
         self._fabric = fabric.Fabric(os.environ.get("FABRIC_BACKEND") or None)
+        if self._ring_min < 0:
+            self._ring_min = RING_MIN_TCP_PAIR if size == 2 and self._fabric.name == "tcp" else RING_MIN
         self._peers: dict[int, _Peer] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()       # collectives, in issue order
         self._sends: queue.SimpleQueue = queue.SimpleQueue()       # p2p sends to complete
