@@ -2,7 +2,7 @@
 
     python bench/torch_compare.py [--world 2] [--configs gloo,tcp,ucx-sm,ucx,tcp@ring,...]
                                   [--sizes 4K,64K,1M,16M,64M,256M] [--rounds 3]
-                                  [--models mlp,resnet50] [--json out.json]
+                                  [--models mlp,mlp-b8,resnet50] [--json out.json]
 
 Starts --world rank processes (env:// on loopback). Each makes one process
 group per config over the same ranks: gloo, and fabric on each named fabric
@@ -17,7 +17,8 @@ round with the configs interleaved:
 - a DDP training step (forward, backward with DDP's bucketed gradient
   all_reduce, SGD step) of a ResNet-50-shaped CNN written in plain torch
   (25.6M parameters, 2 images of 3x64x64 per rank) and of a 25M-parameter
-  MLP (batch 64), median step time.
+  MLP (batch 64; mlp-b8: 8 samples, where the gradient all_reduce of 100 MB
+  outweighs the compute), median step time.
 Medians over rounds; ratios against gloo of the same run. With more ranks
 than cores (--world 4 on this 2-core VM) every rank shares CPU with the
 others: the figures are oversubscribed and reported as such.
@@ -114,14 +115,20 @@ def resnet50_shaped():
     return nn.Sequential(*layers), (2, 3, 64, 64), 1000
 
 
-def mlp25m():
+def mlp25m(batch=64):
     import torch.nn as nn
     model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
                           nn.Linear(4096, 1024), nn.ReLU(), nn.Linear(1024, 10))
-    return model, (64, 1024), 10
+    return model, (batch, 1024), 10
 
 
-MODELS = {"resnet50": resnet50_shaped, "mlp": mlp25m}
+def mlp25m_small_batch():
+    """The same MLP at 8 samples per rank: the gradient all_reduce (100 MB)
+    outweighs the compute, as with large models on few samples per GPU."""
+    return mlp25m(8)
+
+
+MODELS = {"resnet50": resnet50_shaped, "mlp": mlp25m, "mlp-b8": mlp25m_small_batch}
 
 
 # -------------------------------------------------------------- one rank
@@ -266,7 +273,7 @@ def main():
     ap.add_argument("--configs", default="gloo,tcp,ucx-sm,ucx")
     ap.add_argument("--sizes", default="4K,64K,1M,16M,64M,256M")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--models", default="mlp,resnet50")
+    ap.add_argument("--models", default="mlp,mlp-b8,resnet50")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--budget", type=float, default=0.5, help="seconds of all_reduce per size and config")
     ap.add_argument("--json")
