@@ -29,11 +29,11 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_ranks(backend_name, scenario, world, init="env", tmp_path=None, expect_exit=None):
+def run_ranks(backend_name, scenario, world, init="env", tmp_path=None, expect_exit=None, env=None):
     port = free_port()
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
                FABRIC_BACKEND=backend_name, OMP_NUM_THREADS="1",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
     if init == "tcp":
         env["FABRIC_TEST_INIT"] = f"tcp://127.0.0.1:{port}"
     elif init == "file":
@@ -57,16 +57,30 @@ def run_ranks(backend_name, scenario, world, init="env", tmp_path=None, expect_e
     return [err for _, err in outputs]
 
 
+# Under TCG each rank takes half a minute to start: the guest runs the
+# collectives (fewer dtypes), p2p, DDP, a timeout and destroy in one job,
+# and a killed rank.
+GUEST_RUNS_IT = "the Soft-RoCE guest runs this scenario within test_collectives_match_gloo_and_the_reference"
+
+
 @pytest.mark.timeout(HANG + 60)
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_collectives_match_gloo_and_the_reference(backend_name, world):
-    if IN_GUEST and world > 2:
-        pytest.skip("the guest runs world size 2 (each rank imports torch for a minute under TCG)")
+def test_collectives_match_gloo_and_the_reference(backend_name, world, request):
+    if IN_GUEST:
+        if world > 2:
+            pytest.skip("the guest runs world size 2 (each rank takes half a minute to start under TCG)")
+        run_ranks(backend_name, "collectives+p2p+ddp+timeout+destroy", world,
+                  env={"FABRIC_TEST_TORCH_LIGHT": "1"})
+        return
+    if world > 2 and request.node.callspec.params.get("backend_name") == "ucx-tcp":
+        pytest.skip("world sizes 3 and 4 run on tcp and ucx-sm; ucx over its tcp lanes runs 2")
     run_ranks(backend_name, "collectives", world)
 
 
 @pytest.mark.timeout(HANG + 60)
 def test_point_to_point_with_tags_and_batches(backend_name):
+    if IN_GUEST:
+        pytest.skip(GUEST_RUNS_IT)
     run_ranks(backend_name, "p2p", 3)
 
 
@@ -80,25 +94,34 @@ def test_other_init_methods(backend_name, init, tmp_path):
 
 @pytest.mark.timeout(HANG + 60)
 def test_fabric_as_the_default_group(backend_name):
+    if IN_GUEST:
+        pytest.skip("the host runs it: what the world group adds is torch's side, not the fabric's")
     run_ranks(backend_name, "default", 2)
 
 
 @pytest.mark.timeout(HANG + 60)
 def test_ddp_trains_as_on_gloo(backend_name):
+    if IN_GUEST:
+        pytest.skip(GUEST_RUNS_IT)
     run_ranks(backend_name, "ddp", 2)
 
 
 @pytest.mark.timeout(HANG + 60)
 def test_a_killed_rank_fails_the_others_naming_it(backend_name):
-    errs = run_ranks(backend_name, "kill", 3)
-    assert all("failed after" in e for e in errs[:2]), errs
+    world = 2 if IN_GUEST else 3
+    errs = run_ranks(backend_name, "kill", world)
+    assert all("failed after" in e for e in errs[:world - 1]), errs
 
 
 @pytest.mark.timeout(HANG + 60)
 def test_a_missing_rank_times_out(backend_name):
+    if IN_GUEST:
+        pytest.skip(GUEST_RUNS_IT)
     run_ranks(backend_name, "timeout", 2)
 
 
 @pytest.mark.timeout(HANG + 60)
 def test_destroy_process_group_leaves_nothing(backend_name):
+    if IN_GUEST:
+        pytest.skip(GUEST_RUNS_IT)
     run_ranks(backend_name, "destroy", 2)
