@@ -201,14 +201,16 @@ class _Waiter:
     (into `dest`, or as the message itself when dest is None), then `done`
     is set; `then` (if any) runs on the reader thread once it is filled."""
 
-    __slots__ = ("dest", "data", "error", "done", "then")
+    __slots__ = ("dest", "data", "error", "done", "then", "claim", "source")
 
-    def __init__(self, dest, then=None) -> None:
+    def __init__(self, dest, then=None, claim=None, source: int = -1) -> None:
         self.dest = dest
         self.data = None
         self.error: str | None = None
         self.done = threading.Event()
         self.then = then
+        self.claim: _Claim | None = claim      # a receive from any rank: one waiter per rank
+        self.source = source
 
     def nbytes(self) -> int:
         return memoryview(self.dest).nbytes
@@ -235,6 +237,29 @@ class _Waiter:
             self.then(self)
 
 
+class _Claim:
+    """The waiters of one receive from any rank: the first rank whose
+    transfer matches takes it; the others' waiters are dropped unfilled."""
+
+    __slots__ = ("lock", "winner", "failed")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.winner: int | None = None
+        self.failed = 0
+
+    def take(self, rank: int) -> bool:
+        with self.lock:
+            if self.winner is None:
+                self.winner = rank
+                return True
+            return False
+
+    @property
+    def taken(self) -> bool:
+        return self.winner is not None
+
+
 class _Peer:
     """One other rank: its endpoint, the receives posted for its transfers,
     and the transfers that arrived before anyone asked for them. Only its
@@ -259,10 +284,14 @@ class _Peer:
                 early = None
             else:
                 queue_ = self.early.get(key)
-                early = queue_.popleft() if queue_ else None
-                if queue_ is not None and not queue_:
-                    del self.early[key]
+                early = None
+                if queue_ and (waiter.claim is None or waiter.claim.take(self.rank)):
+                    early = queue_.popleft()
+                    if not queue_:
+                        del self.early[key]
                 if early is None:
+                    if waiter.claim is not None and waiter.claim.taken:
+                        return waiter                 # another rank's transfer took it
                     self.posted.setdefault(key, deque()).append(waiter)
                     return waiter
         if early is None:
@@ -272,14 +301,17 @@ class _Peer:
         return waiter
 
     def take_posted(self, key: tuple) -> _Waiter | None:
-        """The oldest receive posted for key (the caller holds the lock)."""
+        """The oldest receive posted for key (the caller holds the lock);
+        a receive from any rank that another rank's transfer took is dropped."""
         waiting = self.posted.get(key)
-        if not waiting:
-            return None
-        waiter = waiting.popleft()
-        if not waiting:
+        found = None
+        while waiting and found is None:
+            waiter = waiting.popleft()
+            if waiter.claim is None or waiter.claim.take(self.rank):
+                found = waiter
+        if waiting is not None and not waiting:
             del self.posted[key]
-        return waiter
+        return found
 
     def cancel(self, key: tuple, waiter: _Waiter) -> bool:
         """Withdraw a posted receive nothing arrived for (False: too late)."""
@@ -355,6 +387,8 @@ class _Work(dist._Work):
 
     def source_rank(self) -> int:
         return self._source
+
+    _source_rank = source_rank       # what dist.recv(src=None) asks
 
     def synchronize(self) -> None:
         self.wait()
@@ -756,6 +790,7 @@ class FabricProcessGroup(dist.ProcessGroup):
         self._wait_sent(sends, deadline)
 
     def allreduce(self, tensors, opts=None):
+        self._check_devices(tensors)
         op = _op_of(opts)
         for t in tensors:
             _check_op(op, t.dtype)
@@ -770,6 +805,7 @@ class FabricProcessGroup(dist.ProcessGroup):
         return self._submit("all_reduce", run, tensors, getattr(opts, "timeout", None))
 
     def allreduce_coalesced(self, tensors, opts=None):
+        self._check_devices(tensors)
         op = _op_of(opts)
         for t in tensors:
             _check_op(op, t.dtype)
@@ -790,6 +826,7 @@ class FabricProcessGroup(dist.ProcessGroup):
 
     # ---- broadcast and reduce (binomial trees)
     def broadcast(self, tensors, opts=None):
+        self._check_devices(tensors)
         root = opts.rootRank if opts is not None else 0
         seq = self._next_seq()
 
@@ -817,6 +854,7 @@ class FabricProcessGroup(dist.ProcessGroup):
         return self._submit("broadcast", run, tensors, getattr(opts, "timeout", None))
 
     def reduce(self, tensors, opts=None):
+        self._check_devices(tensors)
         root = opts.rootRank if opts is not None else 0
         op = _op_of(opts)
         for t in tensors:
@@ -857,6 +895,7 @@ class FabricProcessGroup(dist.ProcessGroup):
                            (COLL, tag0 + s, seq), deadline)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
+        self._check_devices(output_tensors, input_tensors)
         seq = self._next_seq()
 
         def run(deadline):
@@ -873,6 +912,7 @@ class FabricProcessGroup(dist.ProcessGroup):
         return self.allgather(output_lists, input_list, opts)
 
     def _allgather_base(self, output, input, opts=None):
+        self._check_devices(output, input)
         seq = self._next_seq()
 
         def run(deadline):
@@ -889,6 +929,7 @@ class FabricProcessGroup(dist.ProcessGroup):
         return self._submit("all_gather_into_tensor", run, output, getattr(opts, "timeout", None))
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        self._check_devices(outputs, inputs)
         seq = self._next_seq()
 
         def run(deadline):
@@ -921,6 +962,7 @@ class FabricProcessGroup(dist.ProcessGroup):
         return mine
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        self._check_devices(output_tensors, input_tensors)
         op = _op_of(opts)
         for t in output_tensors:
             _check_op(op, t.dtype)
@@ -933,6 +975,7 @@ class FabricProcessGroup(dist.ProcessGroup):
         return self._submit("reduce_scatter", run, output_tensors, getattr(opts, "timeout", None))
 
     def _reduce_scatter_base(self, output, input, opts=None):
+        self._check_devices(output, input)
         op = _op_of(opts)
         _check_op(op, output.dtype)
         seq = self._next_seq()
@@ -947,6 +990,7 @@ class FabricProcessGroup(dist.ProcessGroup):
         return self._submit("reduce_scatter_tensor", run, output, getattr(opts, "timeout", None))
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        self._check_devices(outputs, inputs)
         op = _op_of(opts)
         seq = self._next_seq()
 
@@ -961,6 +1005,7 @@ class FabricProcessGroup(dist.ProcessGroup):
         return self._submit("reduce_scatter_tensor_coalesced", run, outputs, getattr(opts, "timeout", None))
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
+        self._check_devices(output_tensors, input_tensors)
         seq = self._next_seq()
 
         def run(deadline):
@@ -968,6 +1013,7 @@ class FabricProcessGroup(dist.ProcessGroup):
         return self._submit("all_to_all", run, output_tensors, getattr(opts, "timeout", None))
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        self._check_devices(output, input)
         seq = self._next_seq()
 
         def run(deadline):
@@ -1004,6 +1050,7 @@ class FabricProcessGroup(dist.ProcessGroup):
                 outs[frm].copy_(dest)
 
     def gather(self, output_tensors, input_tensors, opts=None):
+        self._check_devices(output_tensors, input_tensors)
         root = opts.rootRank if opts is not None else 0
         seq = self._next_seq()
 
@@ -1024,6 +1071,7 @@ class FabricProcessGroup(dist.ProcessGroup):
         return self._submit("gather", run, output_tensors, getattr(opts, "timeout", None))
 
     def scatter(self, output_tensors, input_tensors, opts=None):
+        self._check_devices(output_tensors, input_tensors)
         root = opts.rootRank if opts is not None else 0
         seq = self._next_seq()
 
@@ -1062,6 +1110,7 @@ class FabricProcessGroup(dist.ProcessGroup):
     # hold up a send issued after it); sends complete on the group's send
     # thread, receives on the peer's reader thread.
     def send(self, tensors, dst_rank, tag):
+        self._check_devices(tensors)
         self._check_peer(dst_rank)
         fut = torch.futures.Future()
         name = f"send to rank {dst_rank} (tag {tag})"
@@ -1078,6 +1127,7 @@ class FabricProcessGroup(dist.ProcessGroup):
         return _Work(fut)
 
     def recv(self, tensors, src_rank, tag):
+        self._check_devices(tensors)
         self._check_peer(src_rank)
         fut = torch.futures.Future()
         name = f"recv from rank {src_rank} (tag {tag})"
@@ -1110,12 +1160,50 @@ class FabricProcessGroup(dist.ProcessGroup):
         peer = self._peers[src_rank]
         for w in waiters:
             peer.post(key, w)
-        self._sends.put(("recv", name, peer, key, waiters, time.monotonic() + self._timeout))
+        self._sends.put(("recv", name, [(peer, w) for w in waiters], key, time.monotonic() + self._timeout))
         return _Work(fut)
 
     def recv_anysource(self, tensors, tag):
-        raise ValueError("fabric process group: recv from any source (src=None) is not supported; "
-                         "name the source rank")
+        """A receive from whichever rank's transfer with this tag comes first
+        (the Work's source rank says which)."""
+        if len(tensors) != 1:
+            raise ValueError("fabric process group: a receive from any rank takes one tensor")
+        self._check_devices(tensors)
+        fut = torch.futures.Future()
+        work = _Work(fut)
+        name = f"recv from any rank (tag {tag})"
+        if self._closed or not self._peers:
+            fut.set_exception(FabricPGError(f"fabric process group: {name}: "
+                                            + ("the group was destroyed" if self._closed else "no other rank")))
+            return work
+        t = tensors[0]
+        staged = _contiguous(t)
+        claim = _Claim()
+        key = (P2P, tag, 0)
+
+        def then(waiter):
+            if waiter.error is None:
+                if staged is not t:
+                    t.copy_(staged)
+                work._source = waiter.source
+                fut.set_result(tensors)
+                return
+            with claim.lock:
+                claim.failed += 1
+                if claim.winner is None and claim.failed == len(waiters):
+                    claim.winner = -1                 # every rank failed: the receive fails
+                elif claim.winner != waiter.source:
+                    return                            # another rank may still send, or already did
+            fut.set_exception(FabricPGError(waiter.error if waiter.error.startswith("fabric process group")
+                                            else f"fabric process group: {name}: {waiter.error}"))
+
+        waiters = [(p, _Waiter(_byte_view(staged), then, claim, rank)) for rank, p in sorted(self._peers.items())]
+        for p, w in waiters:
+            p.post(key, w)
+            if claim.taken:
+                break
+        self._sends.put(("recv", name, waiters, key, time.monotonic() + self._timeout))
+        return work
 
     def _complete_sends(self) -> None:
         """The group's send thread: completes p2p sends' works, and fails
@@ -1139,16 +1227,16 @@ class FabricProcessGroup(dist.ProcessGroup):
                 else:
                     fut.set_result(result)
             elif item:
-                _, name, peer, key, waiters, at = item
+                _, name, waiters, key, at = item
                 count += 1
-                heapq.heappush(due, (at, count, name, peer, key, waiters))
+                heapq.heappush(due, (at, count, name, key, waiters))
                 if len(due) > 4096:       # receives long done wait for their deadline: prune
-                    due = [d for d in due if not all(w.done.is_set() for w in d[5])]
+                    due = [d for d in due if not _settled(d[4])]
                     heapq.heapify(due)
             now = time.monotonic()
-            while due and (due[0][0] <= now or all(w.done.is_set() for w in due[0][5])):
-                at, _, name, peer, key, waiters = heapq.heappop(due)
-                for w in waiters:
+            while due and (due[0][0] <= now or _settled(due[0][4])):
+                at, _, name, key, waiters = heapq.heappop(due)
+                for peer, w in waiters:
                     if not w.done.is_set() and peer.cancel(key, w):
                         w.fail(f"fabric process group: {name} timed out after {self._timeout:g} s")
 
@@ -1158,10 +1246,28 @@ class FabricProcessGroup(dist.ProcessGroup):
     all_gather_single_coalesced = allgather_into_tensor_coalesced
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
+    @staticmethod
+    def _check_devices(*groups) -> None:
+        """CPU tensors only (nested lists of them, as c10d passes them)."""
+        stack = list(groups)
+        while stack:
+            item = stack.pop()
+            if isinstance(item, (list, tuple)):
+                stack.extend(item)
+            elif isinstance(item, torch.Tensor) and (item.device.type != "cpu" or item.layout != torch.strided):
+                raise ValueError(f"fabric process group: dense CPU tensors only, not a {item.layout} tensor "
+                                 f"on {item.device}")
+
     def _check_peer(self, rank) -> None:
         if not 0 <= rank < self._size or rank == self._rank:
             raise ValueError(f"fabric process group: rank {rank} is not another rank of this group "
                              f"(size {self._size}, this is rank {self._rank})")
+
+
+def _settled(waiters) -> bool:
+    """Nothing left to time out: every waiter done, or the receive from any
+    rank they belong to taken."""
+    return all(w.done.is_set() or (w.claim is not None and w.claim.taken) for _, w in waiters)
 
 
 def _shutdown(queues, fab, threads, peers) -> None:

@@ -338,6 +338,24 @@ def p2p():
     first.wait()
     check(torch.equal(buf, torch.full((5,), float(prev))) and torch.equal(late, torch.full((5,), float(peer))),
           "receives posted before the sends they wait for")
+    # receives from any rank (src=None): each sender once, the source reported
+    if RANK == 0:
+        seen = {}
+        for _ in range(WORLD - 1):
+            got = torch.empty(4)
+            src = dist.recv(got, group=fab, tag=50)
+            seen[src] = got
+        check(sorted(seen) == list(range(1, WORLD)), f"sources of receives from any rank: {sorted(seen)}")
+        check(all(torch.equal(v, torch.full((4,), float(k))) for k, v in seen.items()),
+              "receives from any rank: data of the wrong rank")
+    else:
+        dist.send(torch.full((4,), float(RANK)), 0, group=fab, tag=50)
+    # tensors fabric cannot move are refused at the call; the group goes on
+    try:
+        dist.all_reduce(torch.ones(4).to_sparse(), group=fab)
+        FAILURES.append("a sparse tensor was accepted")
+    except (ValueError, RuntimeError):
+        pass
     # a non-contiguous destination, large enough for the engine's rendezvous
     col = torch.zeros(300000, 2)[:, 1]
     if RANK == 0:
