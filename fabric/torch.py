@@ -33,6 +33,7 @@ group's Fabric and stops its thread.
 """
 from __future__ import annotations
 
+import ctypes
 import datetime
 import heapq
 import ipaddress
@@ -96,8 +97,17 @@ class FabricPGError(RuntimeError):
 # ---------------------------------------------------------------- helpers
 
 def _byte_view(t: torch.Tensor):
-    """The bytes of a contiguous tensor as a writable numpy uint8 array (no copy)."""
-    return t.detach().reshape(-1).view(torch.uint8).numpy()
+    """The bytes of a contiguous CPU tensor as a writable buffer, without a
+    copy and without numpy (torch does not require it); the buffer keeps the
+    tensor alive."""
+    if not t.is_contiguous():
+        raise ValueError("fabric process group: internal error: a non-contiguous tensor to move")
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return bytearray()
+    view = (ctypes.c_ubyte * n).from_address(t.data_ptr())
+    view._tensor = t
+    return view
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
