@@ -445,11 +445,14 @@ class FabricProcessGroup(dist.ProcessGroup):
     # ---- set-up
     def _connect(self, store) -> None:
         deadline = _Deadline(self._timeout, "connecting the process group")
-        listener = self._fabric.listen(_address("0.0.0.0", 0)) if self._size > 1 else None
-        if listener is None:
+        if self._size == 1:
             return
+        host = _local_host()
+        # listening only while the group connects, on every address of the
+        # family peers reach us by
+        listener = self._fabric.listen(_address("::" if ":" in host else "0.0.0.0", 0))
         port = int(listener.address.rsplit(":", 1)[1])
-        store.set(f"fabric/{self._rank}", _address(_local_host(), port))
+        store.set(f"fabric/{self._rank}", _address(host, port))
         try:
             # dial every lower rank; the higher ones dial us
             for peer in range(self._rank):

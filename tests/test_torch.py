@@ -38,6 +38,8 @@ def run_ranks(backend_name, scenario, world, init="env", tmp_path=None, expect_e
         env["FABRIC_TEST_INIT"] = f"tcp://127.0.0.1:{port}"
     elif init == "file":
         env["FABRIC_TEST_INIT"] = f"file://{tmp_path / 'rendezvous'}"
+    elif init == "ipv6":
+        env["MASTER_ADDR"] = "::1"          # the store and fabric's listeners on IPv6
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "torch_ranks.py"), scenario],
                               env=dict(env, RANK=str(r)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                               text=True) for r in range(world)]
@@ -85,7 +87,7 @@ def test_point_to_point_with_tags_and_batches(backend_name):
 
 
 @pytest.mark.timeout(HANG + 60)
-@pytest.mark.parametrize("init", ["tcp", "file"])
+@pytest.mark.parametrize("init", ["tcp", "file", "ipv6"])
 def test_other_init_methods(backend_name, init, tmp_path):
     if IN_GUEST:
         pytest.skip("init methods do not depend on the fabric: the host runs them")
