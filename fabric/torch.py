@@ -4,32 +4,40 @@
 process group opens a Fabric (backend from ``FABRIC_BACKEND``, else fabric's
 automatic choice), listens, publishes its address in the c10d store and
 connects to every other rank of the group at creation (a full mesh: rank j
-dials every lower rank, which accepts). Operations run in the order they are
-issued on one thread of the group (c10d's contract: every rank issues the
-group's collectives in the same order), never on the caller's thread: every
-call returns a Work at once, whose future completes when the group's thread
-is done with it, also for ``async_op=False`` (torch then waits on it).
+dials every lower rank, which accepts), then stops listening.
+
+Every call returns a Work at once, also for ``async_op=False`` (torch then
+waits on it); the group's own threads make the progress, never the caller's:
+- collectives run in the order they are issued (c10d's contract: every rank
+  issues the group's collectives in the same order) on the group's
+  collectives thread;
+- one reader thread per peer receives everything that peer sends, in order,
+  and puts each transfer straight into the buffer a receive was posted for
+  (a tensor's own storage), or keeps it until one is posted;
+- point-to-point operations start on the caller's thread: a send at once, a
+  receive by posting it; neither waits behind a collective or another
+  receive. A send thread completes their Works and times out receives.
 
 Wire format between two ranks: each transfer is a 32-byte header (kind,
 tag, collective sequence number, byte count), followed in the same fabric
 message by the bytes when they are few (``INLINE``), otherwise by one fabric
-message of its own that is sent from the tensor's storage and received into
-the destination's storage (zero-copy rendezvous; large messages are pulled
-in chunks by the engine). A header that does not belong to the transfer
-being waited for (a p2p tag received out of order) is kept until asked for.
+message of its own, sent from the tensor's storage and received into the
+destination's storage (zero-copy; large messages are pulled in chunks by the
+engine).
 
-Algorithms, by size: all_reduce below ``FABRIC_TORCH_RING_MIN`` bytes by recursive
-doubling (log2 steps of whole tensors; folded for sizes that are not powers
-of two), above it by a ring reduce-scatter then ring all-gather; every rank
-ends with bit-identical results. broadcast and reduce by binomial trees,
-all_gather and reduce_scatter by rings, all_to_all pairwise, barrier by
-dissemination. Reductions run in place with torch's own kernels (the GIL
-released while they run).
+Algorithms, by size: all_reduce below ``FABRIC_TORCH_RING_MIN`` bytes by
+recursive doubling (log2 steps of whole tensors; folded for sizes that are
+not powers of two), above it by a ring reduce-scatter then ring all-gather
+pipelined in pieces; every rank ends with bit-identical results. broadcast
+and reduce by binomial trees, all_gather and reduce_scatter by rings,
+all_to_all pairwise, barrier by dissemination. Reductions run in place with
+torch's own kernels (the GIL released while they run).
 
-Failures: a rank that dies fails the operation that waits on it and every
-one after it, with an error naming the rank, within the operation's timeout
-(the group's, or the call's own); ``destroy_process_group()`` closes the
-group's Fabric and stops its thread.
+Failures: a rank that dies fails every operation waiting on it at once, with
+an error naming the rank; the rank that saw it tells the others (ABORT), so
+their pending collectives fail too; every wait ends at the operation's
+timeout (the group's, or the call's own). ``destroy_process_group()`` closes
+the group's Fabric and joins its threads.
 """
 from __future__ import annotations
 
@@ -439,6 +447,7 @@ class FabricProcessGroup(dist.ProcessGroup):
             threads.append(peer.reader)
         for t in threads:
             t.start()
+        logger.debug("%r connected (all_reduce by ring from %d bytes)", self, self._ring_min)
         self._finalizer = weakref.finalize(self, _shutdown, (self._queue, self._sends), self._fabric,
                                            threads, list(self._peers.values()))
 
@@ -532,6 +541,7 @@ class FabricProcessGroup(dist.ProcessGroup):
                 message = str(e) if isinstance(e, FabricPGError) else f"fabric process group: {name} failed: {e}"
                 if not isinstance(e, (ValueError, TypeError)):
                     self._broken = message    # a transfer failed midway: the group is out of step
+                    logger.info("%r is broken: %s", self, message)
                     self._tell_peers(message)
                 fut.set_exception(FabricPGError(message))
             else:
