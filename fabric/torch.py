@@ -172,6 +172,20 @@ def _finish_avg(t: torch.Tensor, op, n: int) -> None:
         t.div_(n)
 
 
+def _root_cause(message: str) -> str:
+    """'fabric process group: rank 3 gave up: fabric process group: rank 7 is
+    gone (...)' -> 'rank 7 is gone (...)'."""
+    prefix = "fabric process group: "
+    while True:
+        if message.startswith(prefix):
+            message = message[len(prefix):]
+        head, sep, rest = message.partition(" gave up: ")
+        if sep and head.startswith("rank ") and head[5:].isdigit():
+            message = rest
+            continue
+        return message
+
+
 def _split_points(numel: int, parts: int) -> list[int]:
     """Element offsets cutting numel into `parts` near-equal pieces."""
     base, extra = divmod(numel, parts)
@@ -548,8 +562,9 @@ class FabricProcessGroup(dist.ProcessGroup):
                 fut.set_result(result)
 
     def _tell_peers(self, message: str) -> None:
-        """Best effort: every other rank learns why this one gave up."""
-        body = message.encode()[:4000]
+        """Best effort: every other rank learns why this one gave up: the
+        root cause, not the chain of ranks that passed it on."""
+        body = _root_cause(message).encode()[:4000]
         for peer in self._peers.values():
             try:
                 with peer.send_lock:
