@@ -102,6 +102,16 @@ def test_fabric_as_the_default_group(backend_name):
 
 
 @pytest.mark.timeout(HANG + 60)
+def test_sixteen_ranks_connect_and_reduce(backend_name, request):
+    """A mesh of 120 connections, 15 readers per rank, on the 2-core VM."""
+    if IN_GUEST:
+        pytest.skip("the guest runs world size 2 (each rank takes half a minute to start under TCG)")
+    if request.node.callspec.params.get("backend_name") == "ucx-tcp":
+        pytest.skip("sixteen ranks run on tcp and ucx-sm")
+    run_ranks(backend_name, "default", 16)
+
+
+@pytest.mark.timeout(HANG + 60)
 def test_ddp_trains_as_on_gloo(backend_name):
     if IN_GUEST:
         pytest.skip(GUEST_RUNS_IT)
