@@ -356,6 +356,15 @@ def p2p():
         FAILURES.append("a sparse tensor was accepted")
     except (ValueError, RuntimeError):
         pass
+    # tensors of different sizes on the ranks: a clear error on every rank, no hang
+    mismatched = dist.new_group(backend="fabric", timeout=datetime.timedelta(seconds=30))
+    for n in (10, 100000):
+        try:
+            dist.all_reduce(torch.ones(n + RANK), group=mismatched)
+            FAILURES.append(f"all_reduce of {n} and {n + 1} elements on different ranks succeeded")
+        except RuntimeError as e:
+            check("expected" in str(e) or "gave up" in str(e), f"a size mismatch reported as: {e}")
+        mismatched = dist.new_group(backend="fabric", timeout=datetime.timedelta(seconds=30))
     # a non-contiguous destination, large enough for the engine's rendezvous
     col = torch.zeros(300000, 2)[:, 1]
     if RANK == 0:
