@@ -76,6 +76,7 @@ extensions = [
     ext("fabric.backends.interface"),
     ext("fabric.backends.sockets"),
     ext("fabric.backends.bootstrap"),   # the ucx and verbs connection set-up
+    ext("fabric.backends.auth", include_dirs=["fabric/backends"]),   # peer authentication (in progress)
     ext("fabric.backends.tcp"),
     ext("fabric.protocol.frame"),
     ext("fabric.protocol.engine"),
