@@ -40,6 +40,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
+from fabric.info import human_size  # noqa: E402
+from fabric.perf.cli import parse_sizes  # noqa: E402
+
 CONFIGS = {                      # name -> (backend, environment for the fabric)
     "gloo": ("gloo", {}),
     "tcp": ("fabric", {"FABRIC_BACKEND": "tcp"}),
@@ -62,23 +65,10 @@ def config_env(name):
         elif s == "doubling":
             env["FABRIC_TORCH_RING_MIN"] = str(1 << 62)
         elif s.startswith("chunk="):
-            env["FABRIC_TORCH_CHUNK"] = str(parse_size(s[6:]))
+            env["FABRIC_TORCH_CHUNK"] = str(parse_sizes(s[6:])[0])
         else:
             raise ValueError(f"unknown setting @{s} in config {name}")
     return backend, env
-
-
-def parse_size(text):
-    text = text.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    return int(float(text[:-1] if mult > 1 else text) * mult)
-
-
-def human(n):
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} B"
 
 
 # ------------------------------------------------------------------ models
@@ -252,7 +242,7 @@ def report(raw, args):
         med = {c: statistics.median(raw["allreduce"][str(size)][c]) for c in args.configs}
         busbw = {c: size / med[c] * 2 * (n - 1) / n / 1e9 for c in args.configs}
         summary["allreduce"][size] = {c: {"seconds": med[c], "busbw_GBps": busbw[c]} for c in args.configs}
-        lines.append(f"| {human(size)} | " + " | ".join(f"{busbw[c]:.3f} GB/s" for c in args.configs) + " | "
+        lines.append(f"| {human_size(size)} | " + " | ".join(f"{busbw[c]:.3f} GB/s" for c in args.configs) + " | "
                      + " | ".join(f"{busbw[c] / busbw[base]:.2f}x" for c in args.configs[1:]) + " | "
                      + " | ".join(f"{med[c] * 1e6:.0f} us" for c in args.configs) + " |")
     if args.models:
@@ -284,7 +274,7 @@ def main():
     unknown = [c for c in args.configs if c.split("@")[0] not in CONFIGS]
     if unknown:
         ap.error(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
-    args.sizes = [parse_size(s) for s in str(args.sizes).split(",") if s]
+    args.sizes = parse_sizes(str(args.sizes))
     args.models = [m for m in args.models.split(",") if m]
     if args.rank_process:
         rank_main(args)
