@@ -827,12 +827,17 @@ class FabricProcessGroup(dist.ProcessGroup):
                     sends += self._send(right, key(n + s, c), _byte_view(seg[i][a:b]))
         self._wait_sent(sends, deadline)
 
-    def allreduce(self, tensors, opts=None):
+    def _start_reduction(self, tensors, opts):
+        """Check the tensors and the op at the call (a refusal leaves the
+        group in step), then number the collective: (op, sequence)."""
         self._check_devices(tensors)
         op = _op_of(opts)
         for t in tensors:
             _check_op(op, t.dtype)
-        seq = self._next_seq()
+        return op, self._next_seq()
+
+    def allreduce(self, tensors, opts=None):
+        op, seq = self._start_reduction(tensors, opts)
 
         def run(deadline):
             for i, t in enumerate(tensors):
@@ -843,11 +848,7 @@ class FabricProcessGroup(dist.ProcessGroup):
         return self._submit("all_reduce", run, tensors, getattr(opts, "timeout", None))
 
     def allreduce_coalesced(self, tensors, opts=None):
-        self._check_devices(tensors)
-        op = _op_of(opts)
-        for t in tensors:
-            _check_op(op, t.dtype)
-        seq = self._next_seq()
+        op, seq = self._start_reduction(tensors, opts)
 
         def run(deadline):
             by_dtype: dict = {}
