@@ -188,6 +188,7 @@ cdef extern from "<pthread.h>" nogil:
     ctypedef unsigned long pthread_t
     int pthread_create(pthread_t* t, void* attr, void* (*start)(void*) noexcept nogil, void* arg)
     int pthread_join(pthread_t t, void** ret)
+    pthread_t pthread_self()
 
 cdef extern from "<sys/random.h>" nogil:
     ssize_t getrandom(void* buf, size_t n, unsigned int flags)

@@ -507,6 +507,10 @@ cdef extern from "Python.h":
     # leaves the exception set for raise_pending()
     int check_signals_raw "PyErr_CheckSignals"() noexcept
 
+# The thread that runs Python's signal handlers: the main thread (fabric may
+# be imported from another one), in a forked child the thread that forked.
+cdef pthread_t signal_thread = <pthread_t>__import__("threading").main_thread().ident
+
 cdef enum:
     SIGNALLED = -1     # wait_sig: a signal handler raised; the exception is pending
 
@@ -524,6 +528,12 @@ cdef int wait_sig(worker_t* w, pred_fn pred, void* arg, ep_t* hint, double deadl
         rc = worker_wait(w, pred, arg, hint, deadline)
         if rc != EINTR:
             break
+        if pthread_self() != signal_thread:
+            # Python runs signal handlers only in its main thread. Another
+            # thread must not ask for the GIL here: PyGILState_Ensure from a
+            # daemon thread while the interpreter finalizes dereferences
+            # freed interpreter state (SIGSEGV at exit, issue 9).
+            continue
         wunlock(w)
         with gil:
             sig = check_signals_raw()
@@ -593,8 +603,9 @@ cdef int pred_no_waiters(void* arg) noexcept nogil:
 cdef int fork_generation = 0
 
 cdef void after_fork_in_child() noexcept nogil:
-    global fork_generation
+    global fork_generation, signal_thread
     fork_generation += 1
+    signal_thread = pthread_self()     # the forking thread is the child's main thread
 
 cdef extern from "<pthread.h>" nogil:
     int pthread_atfork(void (*prepare)() noexcept nogil, void (*parent)() noexcept nogil,
