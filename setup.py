@@ -76,10 +76,10 @@ extensions = [
     ext("fabric.backends.interface"),
     ext("fabric.backends.sockets"),
     ext("fabric.backends.bootstrap"),   # the ucx and verbs connection set-up
-    ext("fabric.backends.auth", include_dirs=["fabric/backends"]),   # peer authentication (in progress)
+    ext("fabric.backends.auth", include_dirs=["fabric/backends"]),   # test hooks of the authentication crypto
     ext("fabric.backends.tcp"),
     ext("fabric.protocol.frame"),
-    ext("fabric.protocol.engine"),
+    ext("fabric.protocol.engine", include_dirs=["fabric/backends"]),   # hmac_sha256.h (authentication)
     ext("fabric._buffers"),
 ]
 

@@ -12,8 +12,8 @@
 The distribution is `fabric-transport`; it cannot share an environment with
 the unrelated SSH tool published on PyPI as `fabric` (same import name).
 """
-from fabric.errors import (AddressError, BackendUnavailable, BusyError, ConnectionClosed, ConnectionLost,
-                           FabricError, MessageTooLarge, ProtocolError, RemoteAccessError,
+from fabric.errors import (AddressError, AuthenticationError, BackendUnavailable, BusyError, ConnectionClosed,
+                           ConnectionLost, FabricError, MessageTooLarge, ProtocolError, RemoteAccessError,
                            ResourceLimit, Timeout)
 from fabric.protocol.engine import Endpoint, Listener, Message, Request
 from fabric.api import Fabric, aconnect, connect, default_fabric, listen
@@ -31,5 +31,5 @@ __all__ = [
     "Fabric", "Endpoint", "Listener", "Message", "Request", "listen", "connect", "aconnect",
     "default_fabric", "available_backends", "FabricError", "ProtocolError", "ConnectionLost",
     "ConnectionClosed", "Timeout", "BackendUnavailable", "MessageTooLarge",
-    "RemoteAccessError", "BusyError", "ResourceLimit", "AddressError",
+    "RemoteAccessError", "BusyError", "ResourceLimit", "AddressError", "AuthenticationError",
 ]

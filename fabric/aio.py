@@ -377,7 +377,7 @@ async def connect(worker, host, port, timeout=None):
         ep.close(linger=0)
         raise
     if ep._state() < 0:
-        why = ep._failure()
+        error = ep._connect_error(f"connect to {host}:{port}")
         ep.close(linger=0)
-        raise ConnectionLost(f"connect to {host}:{port} failed: {why}")
+        raise error
     return ep

@@ -7,7 +7,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
-from fabric import backends, options as _options
+from fabric import auth as _auth, backends, options as _options
 from fabric.address import parse as _parse_address, scheme as _address_scheme
 from fabric.protocol.engine import Worker
 
@@ -24,19 +24,28 @@ if TYPE_CHECKING:
 class Fabric:
     """A transport instance.
 
-    Fabric(backend=None, **options): backend from the argument, else
-    $FABRIC_BACKEND, else "auto" (the fastest usable here). Options are the
-    engine's knobs (see fabric.options), overriding profile and environment.
+    Fabric(backend=None, *, auth_key=None, auth_key_file=None, **options):
+    backend from the argument, else $FABRIC_BACKEND, else "auto" (the
+    fastest usable here). Options are the engine's knobs (see
+    fabric.options), overriding profile and environment. With a key (the
+    arguments, $FABRIC_AUTH_KEY or $FABRIC_AUTH_KEY_FILE, see fabric.auth)
+    every connection proves both ends hold it before anything else is sent;
+    connections that fail raise AuthenticationError.
     """
 
-    def __init__(self, backend: str | None = None, **options: Any) -> None:
+    def __init__(self, backend: str | None = None, *, auth_key: bytes | str | bool | None = None,
+                 auth_key_file: str | os.PathLike[str] | None = None, **options: Any) -> None:
         name = backend or os.environ.get("FABRIC_BACKEND") or "auto"
+        key = _auth.key_from(auth_key, auth_key_file)
         self.backend: Backend
         self.backend, self.backend_reason = backends.choose(name)
         if not backend and os.environ.get("FABRIC_BACKEND"):
             self.backend_reason += " by FABRIC_BACKEND"
         self.options: dict[str, Any] = _options.resolve(self.backend.name, self.backend.default_options(), options)
-        self._worker = Worker(self.backend, self.options)
+        # the key lives in the engine only (never in options, logs or repr)
+        self._worker = Worker(self.backend, self.options, key)
+        del key
+        self.authenticated: bool = self._worker.authenticates
         if _log.isEnabledFor(logging.INFO):
             profile = _options.profile_path()
             _log.info("Fabric on %s (%s)%s", self.backend.name, self.backend_reason,

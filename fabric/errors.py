@@ -55,3 +55,9 @@ class ResourceLimit(FabricError, MemoryError):
 
 class BusyError(FabricError):
     """Another operation of the same kind is already in progress on this object."""
+
+
+class AuthenticationError(FabricError, PermissionError):
+    """The peer failed fabric's authentication (no key, another key, or a
+    replayed or reflected handshake), or refused ours; nothing of the
+    connection was set up."""

@@ -15,6 +15,7 @@ variables and per-Fabric keyword arguments, in increasing order of precedence.
 | spin_us           | FABRIC_SPIN_US              | microseconds of busy polling before a wait blocks |
 | spin_max_us       | FABRIC_SPIN_MAX_US          | adaptive polling: an endpoint whose recent waits ended within this many microseconds polls a little longer than they took before it blocks (waking a blocked thread costs tens of microseconds on a VM); 0: always spin_us |
 | handshake_timeout | FABRIC_HANDSHAKE_TIMEOUT    | seconds a new connection has to complete its handshake |
+| max_pending_handshakes | FABRIC_MAX_PENDING_HANDSHAKES | connections a listener authenticates and handshakes at once (at most a quarter of the descriptor limit); when full, the slowest pending one older than 0.5 s gives way to a new one |
 | close_linger      | FABRIC_CLOSE_LINGER         | seconds close() waits for queued sends to leave |
 | native_min        | FABRIC_NATIVE_MIN           | messages of at least this size use the fabric's own rendezvous where it has one (ucx); 0: always the engine's |
 | progress_thread   | FABRIC_PROGRESS_THREAD      | 1: a background thread progresses sends, rendezvous and TCP read service while the application is away from fabric (it polls only then); 0: progress happens only inside fabric calls |
@@ -52,6 +53,7 @@ KNOBS = {
     "spin_us": ("float", 0, 1e6),
     "spin_max_us": ("float", 0, 1e6),
     "handshake_timeout": ("float", 0.001, 1e6),
+    "max_pending_handshakes": ("int", 1, 1 << 20),
     "close_linger": ("float", 0, 1e6),
     "progress_thread": ("int", 0, 1),
     "native_min": ("size", 0, 1 << 62),
@@ -74,6 +76,7 @@ HELP = {
     "spin_us": "microseconds of busy polling before a wait blocks",
     "spin_max_us": "adaptive polling: longest spin for endpoints whose waits end quickly; 0: always spin_us",
     "handshake_timeout": "seconds a new connection has to complete its handshake",
+    "max_pending_handshakes": "connections a listener handshakes at once; when full the slowest (> 0.5 s) gives way",
     "close_linger": "seconds close() waits for queued sends to leave",
     "progress_thread": "1: a background thread progresses while the application is away; 0: only in calls",
     "native_min": "messages of at least this size use the fabric's own rendezvous (ucx); 0: always the engine's",
@@ -94,6 +97,7 @@ COMMON_DEFAULTS = {
     "spin_us": 50.0,
     "spin_max_us": 500.0,
     "handshake_timeout": 10.0,
+    "max_pending_handshakes": 1024,
     "close_linger": 5.0,
     "progress_thread": 1,
     "native_min": 0,

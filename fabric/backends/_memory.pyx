@@ -732,7 +732,7 @@ cdef class MemoryLink:
             raise ValueError("side already attached")
         backend.next_side = &self.L.sides[side]
         try:
-            return worker._attach_connected(self.L.sides[side].fd)
+            return worker._attach_connected(self.L.sides[side].fd, False)
         finally:
             backend.next_side = NULL
 

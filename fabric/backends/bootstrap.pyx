@@ -171,14 +171,16 @@ cdef struct boot_listener:
     void (*unref)(void* domain) noexcept nogil
 
 
-cdef int boot_accept(fab_listener* lst, size_t max_recv, fab_channel** out) noexcept nogil:
-    cdef boot_listener* l = <boot_listener*>lst
+cdef int boot_accept(fab_listener* lst) noexcept nogil:
     cdef int fd = accept_socket(lst.fd)
-    if fd < 0:
-        return EAGAIN if fd == -EAGAIN else fd
-    tune_socket(fd, 30000, 10)
-    out[0] = l.make(l.domain, fd, max_recv, l.depth)     # closes fd if it fails
-    return 0 if out[0] != NULL else -ENOMEM
+    if fd >= 0:
+        tune_socket(fd, 30000, 10)
+    return fd
+
+
+cdef fab_channel* boot_accepted(fab_listener* lst, int fd, size_t max_recv) noexcept nogil:
+    cdef boot_listener* l = <boot_listener*>lst
+    return l.make(l.domain, fd, max_recv, l.depth)     # closes fd if it fails
 
 
 cdef void boot_close_listener(fab_listener* lst) noexcept nogil:
@@ -202,6 +204,7 @@ cdef fab_listener* boot_listen(str host, int port, void* domain, int* refs, uint
         free(l)
         raise
     l.base.accept = boot_accept
+    l.base.attach = boot_accepted
     l.base.close = boot_close_listener
     l.domain = domain
     l.depth = depth

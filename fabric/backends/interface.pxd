@@ -150,9 +150,14 @@ cdef struct fab_channel:
     char peer_name[64]
 
 cdef struct fab_listener:
-    int fd                         # readable when accept() may return a channel
-    # 0 and *out set, or EAGAIN, or -errno
-    int (*accept)(fab_listener* lst, size_t max_recv, fab_channel** out) noexcept nogil
+    int fd                         # readable when accept() may return a socket
+    # A connected socket, tuned like a dialled one (>= 0), or -EAGAIN, or
+    # -errno. The engine authenticates the peer on it before anything of the
+    # backend exists, then calls attach().
+    int (*accept)(fab_listener* lst) noexcept nogil
+    # The channel on an accepted socket (owns fd: closes it on failure), or
+    # NULL; runs under the engine lock, like fab_attach.attach.
+    fab_channel* (*attach)(fab_listener* lst, int fd, size_t max_recv) noexcept nogil
     void (*close)(fab_listener* lst) noexcept nogil
     char address[96]
 

@@ -675,17 +675,19 @@ cdef struct tcp_lst:
     int keepalive_s
 
 
-cdef int tcp_accept(fab_listener* lst, size_t max_recv, fab_channel** out) noexcept nogil:
+cdef int tcp_accept(fab_listener* lst) noexcept nogil:
     cdef tcp_lst* l = <tcp_lst*>lst
     cdef int fd = accept_socket(lst.fd)
-    if fd < 0:
-        return EAGAIN if fd == -EAGAIN else fd
-    tune_socket(fd, l.user_timeout_ms, l.keepalive_s)
-    out[0] = new_channel(fd, max_recv)
-    if out[0] == NULL:
+    if fd >= 0:
+        tune_socket(fd, l.user_timeout_ms, l.keepalive_s)
+    return fd
+
+
+cdef fab_channel* tcp_accepted(fab_listener* lst, int fd, size_t max_recv) noexcept nogil:
+    cdef fab_channel* ch = new_channel(fd, max_recv)
+    if ch == NULL:
         close(fd)
-        return -ENOMEM
-    return 0
+    return ch
 
 
 cdef void tcp_close_listener(fab_listener* lst) noexcept nogil:
@@ -721,6 +723,7 @@ cdef class TcpBackend(Backend):
             free(l)
             raise
         l.base.accept = tcp_accept
+        l.base.attach = tcp_accepted
         l.base.close = tcp_close_listener
         l.user_timeout_ms = int(options.get("tcp_user_timeout_ms", 30000))
         l.keepalive_s = int(options.get("tcp_keepalive_s", 10))

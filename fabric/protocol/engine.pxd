@@ -17,6 +17,7 @@ cdef struct opts_t:
     double spin                 # seconds of busy polling before blocking
     double spin_max             # adaptive polling never spins longer than this (0: off)
     double handshake_timeout
+    uint32_t max_pending        # handshakes a listener runs at once (max_pending_handshakes)
     double close_linger
     int progress_thread
     int coalesce                # 0: one frame per fabric message (no packing)
@@ -152,6 +153,7 @@ cdef struct ep_t:
     lst_t* listener
     ep_t* lst_next
     double hs_deadline
+    auth_t* auth                # state EP_AUTH: the authentication on the raw socket
     # send side
     uint64_t next_out_id
     int peer_credits
@@ -206,6 +208,26 @@ cdef struct ep_t:
     uint32_t held
     posted_t posted
 
+cdef struct auth_t:
+    # Peer authentication on the raw socket (core/auth.pxi), before the
+    # backend builds anything on it. Freed when it ends either way.
+    int fd                      # owned until the channel takes it
+    int role                    # ROLE_CONNECTOR / ROLE_ACCEPTOR
+    int stage                   # AS_PREAMBLE, AS_PEER_MAC, AS_SEND_MAC
+    int heard                   # bytes received from the peer (0: a silent connection)
+    double started
+    uint8_t ours[48]            # our preamble
+    uint8_t theirs[48]          # the peer's preamble
+    uint8_t mac[32]             # the peer's MAC
+    uint8_t out[80]             # what we still send: preamble, then our MAC
+    uint32_t out_len
+    uint32_t out_done
+    uint32_t in_done            # of the preamble, then of the MAC
+    # connector: how to build the channel once the peer is authenticated
+    void* attach                # fab_attach_fn
+    void* attach_domain
+    uint32_t recv_depth
+
 cdef struct lst_t:
     node_t node
     worker_t* w
@@ -215,6 +237,11 @@ cdef struct lst_t:
     ep_t* ready_tail
     int npending
     int closed
+    int disarmed                # the listening socket is out of the epoll set (table full, or EMFILE)
+    double rearm_at             # ... until then (or until a pending handshake ends)
+    uint64_t refused            # connections refused by authentication
+    uint64_t evicted            # pending handshakes dropped to make room for new ones
+    char last_refusal[200]
 
 cdef struct worker_t:
     pthread_mutex_t lock
@@ -248,3 +275,6 @@ cdef struct worker_t:
     int in_wait                 # threads inside worker_wait (close waits for them to leave)
     int fork_gen                # fork generation at creation: a forked child must not use it
     uint64_t gen                # touches of any node (fabric.aio waits on "anything moved")
+    uint8_t* auth_key           # the shared secret (Fabric(auth_key=...)), or NULL: none
+    size_t auth_key_len
+    char backend_name[8]        # in the preamble: both ends must run the same fabric

@@ -24,7 +24,7 @@ Data path of one message (see frame.pxd for the wire format):
 """
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int64_t
 from libc.stdlib cimport malloc, calloc, realloc, free
-from libc.string cimport memcpy, memset, strlen
+from libc.string cimport memcpy, memset, memcmp, strlen
 from posix.uio cimport iovec
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE,
                              PyBUF_WRITABLE, PyBUF_ANY_CONTIGUOUS)
@@ -33,6 +33,7 @@ cimport cython
 
 from fabric._posix cimport *
 from fabric.backends.interface cimport *
+from fabric.backends.sockets cimport local_and_peer_names
 from fabric.protocol.frame cimport *
 
 import errno as _errno
@@ -52,6 +53,7 @@ include "core/protocols.pxi"
 include "core/send.pxi"
 include "core/recv.pxi"
 include "core/lifecycle.pxi"
+include "core/auth.pxi"
 include "core/faults.pxi"
 include "core/py_worker.pxi"
 include "core/py_message.pxi"

@@ -8,6 +8,7 @@ cdef enum:
     EP_OPEN = 2
     EP_FAILED = 3        # marked failed, not yet settled
     EP_DEAD = 4          # channel closed, operations failed
+    EP_AUTH = 5          # authenticating the peer on the raw socket; no channel yet
 
 cdef enum:
     OP_QUEUED = 1
@@ -31,11 +32,11 @@ cdef enum:
     ESHUTDOWN_ = 108     # closed, locally or by the peer's CLOSE
     EBUSY_ = 16          # another receive is in progress
     EACCES_ = 13         # the peer refused a read, or offered a bad region
+    EKEYREJECTED_ = 129  # authentication failed (AuthenticationError)
 
 cdef enum:
     CREDIT_RESERVE = 2      # credits kept for control frames
     MAX_EVENTS = 32
-    MAX_PENDING_HANDSHAKES = 64
     MAX_SEGMENTS_ZC = 62    # scatter entries sent zero-copy in one send
     WAIT_SLICE_MS = 200     # blocking waits wake this often to check signals
 
@@ -85,3 +86,7 @@ cdef double BG_GRACE = 0.001    # application idle this long before the thread p
 
 
 ctypedef int (*pred_fn)(void* arg) noexcept nogil
+
+# A pending handshake younger than this is never dropped to make room for a
+# new connection (a legitimate peer answers in milliseconds, even loaded).
+cdef double EVICT_GRACE = 0.5

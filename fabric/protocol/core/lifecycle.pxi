@@ -82,6 +82,7 @@ cdef void ep_settle(ep_t* ep) noexcept nogil:
     ep.state = EP_DEAD
     err = ep.err
     touch(ep.w, &ep.node)
+    auth_free(ep)
     if ep.ch != NULL:
         if ep.ch.fd >= 0:
             epoll_ctl(ep.w.epfd, EPOLL_CTL_DEL, ep.ch.fd, NULL)
@@ -155,38 +156,57 @@ cdef void send_hello(ep_t* ep) noexcept nogil:
     elif rc < 0:
         ep_channel_failed(ep)
 
-cdef ep_t* ep_create(worker_t* w, fab_channel* ch) noexcept nogil:
-    """A new endpoint in HANDSHAKE state on a connected channel; sends HELLO.
-    Takes ownership of ch (closes it on failure)."""
+cdef ep_t* ep_alloc(worker_t* w) noexcept nogil:
+    """A zeroed endpoint of w, not yet registered (NULL: no memory)."""
     cdef ep_t* ep = <ep_t*>calloc(1, sizeof(ep_t))
     if ep == NULL:
-        ch.ops.close(ch)
         return NULL
     ep.node.kind = KIND_EP
     ep.w = w
+    ep.dirty.obj = ep
+    ep.runnable.obj = ep
+    ep.next_in_id = 1
+    # until the application shows it takes large messages with recv_into(),
+    # pull them into our memory as they come (within recv_budget): a thread
+    # that sends before it receives must not wait for itself
+    ep.pull_ahead = 1
+    return ep
+
+cdef void ep_bind_channel(ep_t* ep, fab_channel* ch) noexcept nogil:
+    """Give a registered endpoint its connected channel: HANDSHAKE state,
+    HELLO sent. Takes ownership of ch."""
+    cdef epoll_event ev
     ep.ch = ch
     ep.caps = ch.caps
     memcpy(ep.local_name, ch.local_name, 64)
     memcpy(ep.peer_name, ch.peer_name, 64)
     ep.local_name[63] = 0
     ep.peer_name[63] = 0
-    ep.dirty.obj = ep
-    ep.runnable.obj = ep
     ch.owner = ep
     ep.state = EP_HANDSHAKE
-    ep.next_in_id = 1
     ep.armed = EPOLLIN
-    # until the application shows it takes large messages with recv_into(),
-    # pull them into our memory as they come (within recv_budget): a thread
-    # that sends before it receives must not wait for itself
-    ep.pull_ahead = 1
-    if node_register(w, &ep.node, ch.fd, EPOLLIN) == 0:
-        ch.owner = NULL
+    if ch.fd >= 0:
+        ev.events = EPOLLIN
+        ev.data.u64 = ep.node.key
+        if epoll_ctl(ep.w.epfd, EPOLL_CTL_ADD, ch.fd, &ev) != 0:
+            ep_fail(ep, ENOMEM, "cannot watch the connection's descriptor")
+            return
+    q_add(&ep.w.dirty, &ep.dirty)
+    send_hello(ep)
+
+cdef ep_t* ep_create(worker_t* w, fab_channel* ch) noexcept nogil:
+    """A new endpoint in HANDSHAKE state on a connected channel, without the
+    authentication stage (the in-memory test fabric has no socket); sends
+    HELLO. Takes ownership of ch (closes it on failure)."""
+    cdef ep_t* ep = ep_alloc(w)
+    if ep == NULL:
+        ch.ops.close(ch)
+        return NULL
+    if node_register(w, &ep.node, -1, 0) == 0:
         ch.ops.close(ch)
         free(ep)
         return NULL
-    q_add(&w.dirty, &ep.dirty)
-    send_hello(ep)
+    ep_bind_channel(ep, ch)
     return ep
 
 cdef void ep_close(ep_t* ep) noexcept nogil:
@@ -225,41 +245,117 @@ cdef uint32_t our_max_recv(worker_t* w) noexcept nogil:
     return <uint32_t>slab_size_for(&w.opts, 0xFFFFFFFFU)
 
 cdef void progress_listener(lst_t* l) noexcept nogil:
-    cdef fab_channel* ch
     cdef ep_t* ep
-    cdef int rc
+    cdef int fd
     if l.closed:
         return
-    while not l.closed and l.npending < MAX_PENDING_HANDSHAKES:
-        rc = l.fl.accept(l.fl, our_max_recv(l.w), &ch)
-        if rc != 0:
+    while not l.closed and not l.disarmed:
+        if <uint32_t>l.npending >= l.w.opts.max_pending and not listener_evict(l):
+            # every pending handshake is young: accept again once one ends
+            # or grows old enough to give way (the sweep re-arms us)
+            listener_disarm(l, listener_next_room(l))
             break
-        ep = ep_create(l.w, ch)
+        fd = l.fl.accept(l.fl)
+        if fd < 0:
+            if fd != -EAGAIN:
+                # out of descriptors (EMFILE) or another error: the socket stays
+                # readable, so look again shortly instead of spinning on it
+                listener_disarm(l, monotonic_now() + 0.05)
+            break
+        ep = ep_create_gated(l.w, fd, ROLE_ACCEPTOR, NULL, l)
         if ep == NULL:
             continue
-        ep.listener = l
-        ep.hs_deadline = monotonic_now() + l.w.opts.handshake_timeout
         ep.lst_next = l.pending
         l.pending = ep
         l.npending += 1
         progress_ep(ep)
     listener_sweep(l)
 
+cdef void listener_disarm(lst_t* l, double until) noexcept nogil:
+    """Take the listening socket out of the epoll set until `until`."""
+    cdef epoll_event ev
+    if not l.disarmed:
+        ev.events = 0
+        ev.data.u64 = l.node.key
+        epoll_ctl(l.w.epfd, EPOLL_CTL_MOD, l.fl.fd, &ev)
+        l.disarmed = 1
+    l.rearm_at = until
+
+cdef void listener_rearm(lst_t* l) noexcept nogil:
+    cdef epoll_event ev
+    if l.disarmed and not l.closed:
+        ev.events = EPOLLIN
+        ev.data.u64 = l.node.key
+        epoll_ctl(l.w.epfd, EPOLL_CTL_MOD, l.fl.fd, &ev)
+        l.disarmed = 0
+
+cdef inline int evictable(ep_t* ep, double now) noexcept nogil:
+    """0: keep; else a rank (lower goes first) for a pending handshake old
+    enough to give way to a new connection: silent ones, then those still
+    authenticating, then those in their HELLO exchange."""
+    if ep.state == EP_AUTH:
+        if now - ep.auth.started < EVICT_GRACE:
+            return 0
+        return 1 if ep.auth.heard == 0 else 2
+    if ep.state == EP_HANDSHAKE and now - (ep.hs_deadline - ep.w.opts.handshake_timeout) >= EVICT_GRACE:
+        return 3
+    return 0
+
+cdef int listener_evict(lst_t* l) noexcept nogil:
+    """Drop the pending handshake that most deserves it to make room: 1 if
+    one went. Legitimate peers answer in milliseconds; a table full of
+    connections that stay silent (or trickle) must not lock them out."""
+    cdef ep_t* ep = l.pending
+    cdef ep_t* victim = NULL
+    cdef int rank, best = 99
+    cdef double now = monotonic_now()
+    while ep != NULL:
+        rank = evictable(ep, now)
+        # the list is newest first: on a tie the later (older) one wins
+        if rank and rank <= best:
+            best = rank
+            victim = ep
+        ep = ep.lst_next
+    if victim == NULL:
+        return 0
+    ep_fail(victim, ETIMEDOUT, "dropped while pending: the listener's table of pending handshakes "
+                               "was full (max_pending_handshakes) and this one was the slowest")
+    l.evicted += 1
+    listener_sweep(l)
+    return 1
+
+cdef double listener_next_room(lst_t* l) noexcept nogil:
+    """When the oldest pending handshake may give way (see evictable)."""
+    cdef ep_t* ep = l.pending
+    cdef double best = monotonic_now() + 0.05
+    cdef double t
+    cdef int found = 0
+    while ep != NULL:
+        if ep.state == EP_AUTH:
+            t = ep.auth.started + EVICT_GRACE
+        else:
+            t = ep.hs_deadline - ep.w.opts.handshake_timeout + EVICT_GRACE
+        if not found or t < best:
+            best = t
+            found = 1
+        ep = ep.lst_next
+    return best
+
 cdef void listener_sweep(lst_t* l) noexcept nogil:
     """Move finished handshakes to the ready queue; drop failed or expired
-    ones (garbage, slow or vanished clients never reach accept()). A
-    connection that failed after its handshake is still handed out, like
-    an accepted socket that was reset: what its peer sent before stays
-    receivable, then the error."""
+    ones (garbage, slow, unauthenticated or vanished clients never reach
+    accept()). A connection that failed after its handshake is still handed
+    out, like an accepted socket that was reset: what its peer sent before
+    stays receivable, then the error."""
     cdef ep_t** p = &l.pending
     cdef ep_t* ep
     cdef double now = monotonic_now()
     while p[0] != NULL:
         ep = p[0]
-        if ep.state == EP_HANDSHAKE and now > ep.hs_deadline:
+        if (ep.state == EP_HANDSHAKE or ep.state == EP_AUTH) and now > ep.hs_deadline:
             ep_fail(ep, ETIMEDOUT, "handshake timed out")
             ep_settle(ep)
-        if ep.state == EP_HANDSHAKE:
+        if ep.state == EP_HANDSHAKE or ep.state == EP_AUTH:
             p = &ep.lst_next
             continue
         p[0] = ep.lst_next
@@ -274,12 +370,18 @@ cdef void listener_sweep(lst_t* l) noexcept nogil:
             l.ready_tail = ep
             touch(l.w, &l.node)
         else:
+            if ep.err == EKEYREJECTED_ or (ep.err == EPROTO and ep.ch == NULL):
+                l.refused += 1
+                snprintf(l.last_refusal, 200, "%s: %s", ep.peer_name, ep.error)
             ep.listener = NULL
             ep_free(ep)
+    if l.disarmed and (now >= l.rearm_at or <uint32_t>l.npending < l.w.opts.max_pending):
+        listener_rearm(l)
 
 cdef double next_handshake_deadline(worker_t* w) noexcept nogil:
     """The earliest handshake deadline of any listener (-1: none), so a
-    blocked waiter wakes to expire a handshake nobody finishes."""
+    blocked waiter wakes to expire a handshake nobody finishes, or to let a
+    listener that gave up its place in the epoll set look again."""
     cdef uint32_t i
     cdef lst_t* l
     cdef ep_t* ep
@@ -288,6 +390,8 @@ cdef double next_handshake_deadline(worker_t* w) noexcept nogil:
         if w.slots[i] == NULL or w.slots[i].kind != KIND_LST:
             continue
         l = <lst_t*>w.slots[i]
+        if l.disarmed and (best < 0 or l.rearm_at < best):
+            best = l.rearm_at
         ep = l.pending
         while ep != NULL:
             if best < 0 or ep.hs_deadline < best:

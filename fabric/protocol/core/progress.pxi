@@ -110,6 +110,20 @@ cdef void progress_ep(ep_t* ep) noexcept nogil:
     """Non-blocking progress of one endpoint (its hub first, if it has one:
     the hub is where its completions come from)."""
     cdef worker_t* w = ep.w
+    cdef int before
+    if ep.state == EP_AUTH:
+        before = ep.state
+        auth_progress(ep)
+        if ep.state == EP_HANDSHAKE:
+            progress_ep_own(ep)      # the channel's first bytes may be in already
+        else:
+            ep_settle(ep)
+            if ep.state != before:
+                touch(w, &ep.node)
+                worker_kick(w)
+            elif ep.state == EP_AUTH:
+                q_add(&w.dirty, &ep.dirty)
+        return
     if ep.ch != NULL and ep.ch.hub != NULL and (ep.state == EP_OPEN or ep.state == EP_HANDSHAKE):
         hub_run(w)
         if ep.hub_pass == w.hub_pass:
@@ -239,6 +253,14 @@ cdef int arm_all(worker_t* w) noexcept nogil:
         ep = <ep_t*>q_pop(&w.dirty)
         if ep == NULL:
             break
+        if ep.state == EP_AUTH:
+            events = auth_events(ep)
+            if events != ep.armed:
+                ev.events = events
+                ev.data.u64 = ep.node.key
+                epoll_ctl(w.epfd, EPOLL_CTL_MOD, ep.auth.fd, &ev)
+                ep.armed = events
+            continue
         if ep.state != EP_OPEN and ep.state != EP_HANDSHAKE:
             continue
         events = EPOLLIN
@@ -558,7 +580,7 @@ cdef int pred_posted(void* arg) noexcept nogil:
     return (<ep_t*>arg).posted.done
 
 cdef int pred_handshake(void* arg) noexcept nogil:
-    return (<ep_t*>arg).state != EP_HANDSHAKE
+    return (<ep_t*>arg).state != EP_HANDSHAKE and (<ep_t*>arg).state != EP_AUTH
 
 cdef int pred_no_reads(void* arg) noexcept nogil:
     cdef ep_t* ep = <ep_t*>arg

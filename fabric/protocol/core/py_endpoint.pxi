@@ -478,7 +478,7 @@ cdef class Endpoint:
         """fabric.aio: 0 while the handshake runs, 1 when open, -1 once failed."""
         if self.ep == NULL or self.ep.closed:
             return -1
-        if self.ep.state == EP_HANDSHAKE:
+        if self.ep.state == EP_HANDSHAKE or self.ep.state == EP_AUTH:
             return 0
         return 1 if self.ep.state == EP_OPEN else -1
 
@@ -487,6 +487,12 @@ cdef class Endpoint:
         if self.ep == NULL:
             return "never connected"
         return self.ep.error.decode(errors="replace") or "closed"
+
+    def _connect_error(self, str what):
+        """The exception for a connect that failed (fabric.aio): its class
+        says why (authentication, protocol, the connection)."""
+        cdef int err = self.ep.err if self.ep != NULL else ECONNRESET
+        return connect_error(err, what, self._failure())
 
     def _close_begin(self):
         """aclose(): flush and say goodbye; True once everything left."""

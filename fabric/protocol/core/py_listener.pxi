@@ -49,6 +49,25 @@ cdef class Listener:
         return self.l == NULL or self.l.closed != 0
 
     @property
+    def refused(self):
+        """Connections refused before they reached accept() because their
+        peer failed authentication or did not speak fabric's preamble."""
+        return self.l.refused if self.l != NULL else 0
+
+    @property
+    def evicted(self):
+        """Pending handshakes dropped to make room for new connections
+        (the table of max_pending_handshakes was full)."""
+        return self.l.evicted if self.l != NULL else 0
+
+    @property
+    def last_refusal(self):
+        """Who was refused last and why ("" if nobody was)."""
+        if self.l == NULL:
+            return ""
+        return self.l.last_refusal.decode(errors="replace")
+
+    @property
     def _gen(self):
         return self.l.node.gen if self.l != NULL else 0
 

@@ -22,7 +22,19 @@ cdef object make_error(int err, str what, str detail=None):
         return _errors.MessageTooLarge(text)
     if err == ENOMEM:
         return _errors.ResourceLimit(text)
+    if err == EKEYREJECTED_:
+        return _errors.AuthenticationError(text)
     return _errors.ConnectionLost(text)
+
+
+cdef object connect_error(int err, str what, str why):
+    """A failed connect's exception: authentication and protocol failures
+    keep their class, anything else is a lost connection."""
+    if err == EKEYREJECTED_:
+        return _errors.AuthenticationError(f"{what}: {why}")
+    if err == EPROTO:
+        return _errors.ProtocolError(f"{what}: {why}")
+    return _errors.ConnectionLost(f"{what} failed: {why}")
 
 
 cdef inline double deadline_of(timeout) except? -2.0:
@@ -47,11 +59,23 @@ cdef int opts_from(dict options, opts_t* o) except -1:
     o.spin = float(options["spin_us"]) * 1e-6
     o.spin_max = float(options.get("spin_max_us", 0)) * 1e-6
     o.handshake_timeout = float(options["handshake_timeout"])
+    o.max_pending = max_pending_for(int(options.get("max_pending_handshakes", 1024)))
     o.close_linger = float(options["close_linger"])
     o.progress_thread = int(options.get("progress_thread", 1))
     o.native_min = int(options.get("native_min", 0))
     o.coalesce = int(options.get("coalesce", 1))
     return 0
+
+cdef uint32_t max_pending_for(int wanted):
+    """Pending handshakes hold a descriptor each: never more than a quarter
+    of what this process may open, so a flood of connections cannot take
+    the descriptors the application needs."""
+    import resource
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft != resource.RLIM_INFINITY:
+        wanted = min(wanted, max(8, soft // 4))
+    return <uint32_t>max(1, wanted)
+
 
 cdef int parse_fault(str text, opts_t* o) except -1:
     """FABRIC_FAULT_INJECT (tests only): bad_key, bad_range, or
@@ -100,15 +124,27 @@ cdef class Worker:
     cdef public object aio_waiters  # fabric.aio: coroutines waiting on it, all loops
     cdef object __weakref__
 
-    def __cinit__(self, Backend backend not None, dict options not None):
+    def __cinit__(self, Backend backend not None, dict options not None, auth_key=None):
         cdef pthread_condattr_t ca
         cdef epoll_event ev
+        cdef const unsigned char[::1] key
         self.backend = backend
         self.options = dict(options)
         self.w = <worker_t*>calloc(1, sizeof(worker_t))
         if self.w == NULL:
             raise MemoryError()
         self.w.fork_gen = fork_generation
+        name = backend.name.encode()[:8]
+        memcpy(self.w.backend_name, <char*>name, len(name))
+        if auth_key is not None:
+            key = memoryview(auth_key).cast("B")
+            if key.shape[0] < 16:
+                raise ValueError("auth_key must hold at least 16 bytes")
+            self.w.auth_key = <uint8_t*>malloc(key.shape[0])
+            if self.w.auth_key == NULL:
+                raise MemoryError()
+            memcpy(self.w.auth_key, &key[0], key.shape[0])
+            self.w.auth_key_len = key.shape[0]
         self.w.epfd = self.w.wake_fd = self.w.notify_fd = -1
         pthread_mutex_init(&self.w.lock, NULL)
         pthread_condattr_init(&ca)
@@ -160,6 +196,9 @@ cdef class Worker:
         pthread_cond_destroy(&self.w.cond)
         free(self.w.slots)
         free(self.w.gens)
+        if self.w.auth_key != NULL:
+            fab_wipe(self.w.auth_key, self.w.auth_key_len)
+            free(self.w.auth_key)
         free(self.w)
         self.w = NULL
 
@@ -175,6 +214,11 @@ cdef class Worker:
     @property
     def closed(self):
         return self.w == NULL or self.w.closed != 0
+
+    @property
+    def authenticates(self):
+        """True if connections must prove the shared key (auth_key)."""
+        return self.w != NULL and self.w.auth_key != NULL
 
     @property
     def _gen(self):
@@ -524,9 +568,11 @@ cdef class Worker:
         (<Listener>lst).key = l.node.key
         return lst
 
-    cdef ep_t* _attach_fd(self, int fd, int* why) except? NULL:
-        """An endpoint in HANDSHAKE state on a connected socket (HELLO sent);
-        NULL with *why = ESHUTDOWN_ (closed) or ENOMEM. Owns fd."""
+    cdef ep_t* _attach_fd(self, int fd, int* why, bint authenticate=True) except? NULL:
+        """An endpoint on a connected socket: authenticating the peer (its
+        channel is built once that passed), or (authenticate=False, the
+        in-memory fabric) in HANDSHAKE state with HELLO sent. NULL with
+        *why = ESHUTDOWN_ (closed) or ENOMEM. Owns fd."""
         cdef fab_attach a
         cdef fab_channel* ch
         cdef ep_t* ep = NULL
@@ -545,9 +591,12 @@ cdef class Worker:
             else:
                 # the channel is built under the engine lock: another thread
                 # may be accepting on this Fabric and touching the same domain
-                ch = a.attach(a.domain, fd, max_recv, a.recv_depth)
-                if ch != NULL:
-                    ep = ep_create(self.w, ch)
+                if authenticate:
+                    ep = ep_create_gated(self.w, fd, ROLE_CONNECTOR, &a, NULL)
+                else:
+                    ch = a.attach(a.domain, fd, max_recv, a.recv_depth)
+                    if ch != NULL:
+                        ep = ep_create(self.w, ch)
                 why[0] = ENOMEM
             wunlock(self.w)
         return ep
@@ -559,6 +608,7 @@ cdef class Worker:
         cdef int rc = 0, why = 0, ok = 0
         cdef int fd
         cdef char error[200]
+        cdef int err = 0
         self._check()
         remaining = -1.0 if deadline < 0 else max(0.0, deadline - monotonic_now())
         try:
@@ -582,6 +632,7 @@ cdef class Worker:
             ok = ep.state == EP_OPEN
             if not ok:
                 memcpy(error, ep.error, 200)
+                err = ep.err
                 ep_free(ep)
             wunlock(self.w)
         if rc == SIGNALLED:
@@ -593,18 +644,18 @@ cdef class Worker:
                 raise _errors.Timeout(f"connect to {host}:{port}: no handshake from the peer")
             if rc == ESHUTDOWN_:
                 raise _errors.ConnectionClosed("the Fabric was closed during connect")
-            raise _errors.ConnectionLost(f"connect to {host}:{port} failed: "
-                                         f"{error.decode(errors='replace')}")
+            raise connect_error(err, f"connect to {host}:{port}", error.decode(errors="replace"))
         return make_endpoint(self, ep)
 
-    def _attach_connected(self, int fd):
+    def _attach_connected(self, int fd, bint authenticate=True):
         """fabric.aio: an Endpoint, still in its handshake, on a socket the
-        event loop connected (owns fd)."""
+        event loop connected (owns fd). authenticate=False: the in-memory
+        test fabric, whose "socket" is an eventfd."""
         cdef int why = 0
         cdef ep_t* ep
         self._check()
         self.backend._tune(fd, self.options)
-        ep = self._attach_fd(fd, &why)
+        ep = self._attach_fd(fd, &why, authenticate)
         if ep == NULL:
             if why == ESHUTDOWN_:
                 raise _errors.ConnectionClosed("the Fabric is closed")
