@@ -1,4 +1,6 @@
 """Backend selection and the reasons given for unavailable backends."""
+import os
+
 import pytest
 
 import fabric
@@ -219,7 +221,8 @@ def test_a_bad_bootstrap_fails_the_connect_with_its_reason(name, reply, then_clo
 
     def serve():
         conn, _ = srv.accept()
-        conn.sendall(reply)
+        # the connection preamble of a listener without a key (core/auth.pxi), then the bootstrap
+        conn.sendall(b"FBAU" + bytes([1, 1, 0, 0]) + name.encode().ljust(8, b"\0") + os.urandom(32) + reply)
         if then_close:
             conn.shutdown(socket.SHUT_WR)    # an end, not a reset: our message stays unread
         done.wait(10)

@@ -27,6 +27,9 @@ class RawPeer:
         host, port = address.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=10)
         self.buf = b""
+        # the connection preamble, without a key (fabric/protocol/core/auth.pxi)
+        assert self.read_exact(48)[:4] == b"FBAU"
+        self.sock.sendall(b"FBAU" + bytes([1, 0, 0, 0]) + b"tcp".ljust(8, b"\0") + os.urandom(32))
 
     def read_exact(self, n):
         while len(self.buf) < n:

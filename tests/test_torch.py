@@ -101,6 +101,15 @@ def test_fabric_as_the_default_group(backend_name):
     run_ranks(backend_name, "default", 2)
 
 
+@pytest.mark.timeout(HANG + 60)
+def test_the_group_authenticates_its_connections_with_the_environment_key(backend_name):
+    """FABRIC_AUTH_KEY on every rank: the mesh is built by authenticated
+    connections (tests/test_auth.py tests the refusals themselves)."""
+    if IN_GUEST:
+        pytest.skip("tests/test_auth.py runs the authentication on verbs in the guest")
+    run_ranks(backend_name, "default", 2, env={"FABRIC_AUTH_KEY": "the ranks of this job share this key"})
+
+
 # serial: sixteen processes starting torch hold both cores for half a minute,
 # long enough to starve another test's timers in the parallel part
 @pytest.mark.serial

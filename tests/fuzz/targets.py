@@ -9,9 +9,12 @@ Targets:
              at a tcp channel, which must deliver whole messages, answer
              or refuse read requests, or fail the connection with a reason
   handshake  a whole engine endpoint on a tcp channel, fed as the peer
-             would from the first byte: the HELLO handshake, then frames
-             (eager, rendezvous announcements, acknowledgements, credits,
-             close)
+             would after the connection preamble: the HELLO handshake, then
+             frames (eager, rendezvous announcements, acknowledgements,
+             credits, close)
+  auth       the connection preamble and the HMAC authentication of an
+             endpoint holding a key (core/auth.pxi), fed as the listener
+             would from the first byte
 
 Each input must end with the connection either working or failed with a
 fabric error: never a crash, never a Python exception other than the
@@ -83,6 +86,11 @@ def _get_fabric():
     return _fabric
 
 
+# What a listener without a key says first (core/auth.pxi); the fuzzer's bytes follow it.
+LISTENER_PREAMBLE = b"FBAU" + bytes([1, 1, 0, 0]) + b"tcp".ljust(8, b"\0") + b"\x5a" * 32
+AUTH_KEY = b"fuzzing key, 32 bytes long......"
+
+
 def fuzz_handshake(data: bytes) -> None:
     """The first byte chooses how the rest is framed: raw at the socket
     (fuzzing both layers) or cut into tcp-framed fabric messages (reaching
@@ -103,7 +111,7 @@ def fuzz_handshake(data: bytes) -> None:
                 payload += wire(rest[2:2 + n])
                 rest = rest[2 + n:]
         try:
-            theirs.sendall(payload[:1 << 16])
+            theirs.sendall(LISTENER_PREAMBLE + payload[:1 << 16])
         except BlockingIOError:
             pass
         theirs.shutdown(socket.SHUT_WR)
@@ -135,7 +143,45 @@ def fuzz_handshake(data: bytes) -> None:
         theirs.close()
 
 
-TARGETS = {"frame": fuzz_frame, "tcp": fuzz_tcp, "handshake": fuzz_handshake}
+_keyed = None
+
+
+def fuzz_auth(data: bytes) -> None:
+    """Byte 0 odd: the input follows a well-formed preamble of a listener
+    with a key (so MAC checking is reached); even: the input is all the
+    listener says. Each input must end refused or failed, never open (the
+    fuzzer cannot know the key), with the engine's socket closed."""
+    global _keyed
+    if _keyed is None:
+        _keyed = fabric.Fabric("tcp", auth_key=AUTH_KEY, **OPTIONS)
+    ours, theirs = socket.socketpair()
+    ep = _keyed._worker._attach_connected(ours.detach())
+    try:
+        theirs.setblocking(False)
+        payload = data[1:]
+        if data and data[0] & 1:
+            payload = b"FBAU" + bytes([1, 1, 1, 0]) + b"tcp".ljust(8, b"\0") + b"\x5a" * 32 + payload
+        try:
+            theirs.sendall(payload[:1 << 12])
+        except BlockingIOError:
+            pass
+        theirs.shutdown(socket.SHUT_WR)
+        for _ in range(16):
+            _keyed.progress()
+            try:
+                while theirs.recv(1 << 12):
+                    pass
+            except (BlockingIOError, ConnectionError):
+                pass
+            if ep._state() < 0:
+                break
+        assert ep._state() < 0, "an endpoint passed authentication without the key"
+    finally:
+        ep.close(linger=0)
+        theirs.close()
+
+
+TARGETS = {"frame": fuzz_frame, "tcp": fuzz_tcp, "handshake": fuzz_handshake, "auth": fuzz_auth}
 
 
 def seeds(target: str) -> list[bytes]:
@@ -152,6 +198,9 @@ def seeds(target: str) -> list[bytes]:
         req = struct.pack("<QQQ", 0x1000, 64, 0x1234)
         return [wire(eager), wire(hello) + wire(eager + credit), wire(req, kind=2, ident=1),
                 wire(b"\x00" * 4, kind=4, ident=1), wire(b"x" * 64, kind=3, ident=1)]
+    if target == "auth":
+        return [b"\x01" + bytes(32), b"\x01" + b"\x00" * 40, b"\x00" + LISTENER_PREAMBLE,
+                b"\x00FBAU\x02", b"\x00" + LISTENER_PREAMBLE[:5] + b"\x00" + LISTENER_PREAMBLE[6:]]
     # handshake: byte 0 even = tcp-framed fabric messages, each a u16 length and its bytes
     def framed(*messages):
         return b"\x00" + b"".join(len(m).to_bytes(2, "little") + m for m in messages)

@@ -292,14 +292,25 @@ cdef void listener_rearm(lst_t* l) noexcept nogil:
 cdef inline int evictable(ep_t* ep, double now) noexcept nogil:
     """0: keep; else a rank (lower goes first) for a pending handshake old
     enough to give way to a new connection: silent ones, then those still
-    authenticating, then those in their HELLO exchange."""
+    in their preamble or authentication, then (without a key) those in
+    their HELLO exchange."""
     if ep.state == EP_AUTH:
         if now - ep.auth.started < EVICT_GRACE:
             return 0
         return 1 if ep.auth.heard == 0 else 2
-    if ep.state == EP_HANDSHAKE and now - (ep.hs_deadline - ep.w.opts.handshake_timeout) >= EVICT_GRACE:
+    if ep.state == EP_HANDSHAKE and ep.w.auth_key == NULL and now >= handshake_may_give_way(ep):
         return 3
     return 0
+
+cdef inline double handshake_may_give_way(ep_t* ep) noexcept nogil:
+    """When a pending connection past its authentication may be dropped to
+    make room: never if it proved the key (a peer of ours: let it finish),
+    else after four grace periods (a busy client sends HELLO late)."""
+    if ep.state == EP_AUTH:
+        return ep.auth.started + EVICT_GRACE
+    if ep.w.auth_key != NULL:
+        return ep.hs_deadline
+    return ep.hs_deadline - ep.w.opts.handshake_timeout + 4 * EVICT_GRACE
 
 cdef int listener_evict(lst_t* l) noexcept nogil:
     """Drop the pending handshake that most deserves it to make room: 1 if
@@ -331,10 +342,7 @@ cdef double listener_next_room(lst_t* l) noexcept nogil:
     cdef double t
     cdef int found = 0
     while ep != NULL:
-        if ep.state == EP_AUTH:
-            t = ep.auth.started + EVICT_GRACE
-        else:
-            t = ep.hs_deadline - ep.w.opts.handshake_timeout + EVICT_GRACE
+        t = handshake_may_give_way(ep)
         if not found or t < best:
             best = t
             found = 1

@@ -28,12 +28,10 @@ cdef object make_error(int err, str what, str detail=None):
 
 
 cdef object connect_error(int err, str what, str why):
-    """A failed connect's exception: authentication and protocol failures
-    keep their class, anything else is a lost connection."""
+    """A failed connect's exception: AuthenticationError when a key was
+    missing or refused, else ConnectionLost with the reason."""
     if err == EKEYREJECTED_:
         return _errors.AuthenticationError(f"{what}: {why}")
-    if err == EPROTO:
-        return _errors.ProtocolError(f"{what}: {why}")
     return _errors.ConnectionLost(f"{what} failed: {why}")
 
 

@@ -1,0 +1,414 @@
+"""Peer authentication (issue 15): a shared key proven both ways before the
+backend builds anything on a connection; strangers, wrong keys, replayed and
+reflected handshakes refused on both sides; listeners that keep serving under
+idle, garbage and hostile connections. Runs on every backend (see conftest);
+raw sockets play the hostile peers, since every fabric starts on TCP."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import os
+import socket
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import fabric
+from fabric import auth
+from conftest import ROOT, connect_pair, small_options
+
+KEY = b"an example key of 32 bytes, ok.."
+OTHER = b"another key, also long enough..."
+
+MAGIC = b"FBAU"
+LABEL = b"fabric-auth/1"
+CONNECTOR, ACCEPTOR = 0, 1
+
+
+def preamble(role, has_key, backend, nonce=None):
+    """The 48-byte preamble, as fabric/protocol/core/auth.pxi specifies it."""
+    nonce = os.urandom(32) if nonce is None else nonce
+    return MAGIC + bytes([1, role, 1 if has_key else 0, 0]) + backend.encode().ljust(8, b"\0") + nonce
+
+
+def mac(key, sender, p_connector, p_acceptor):
+    return hmac.new(key, LABEL + bytes([sender]) + p_connector + p_acceptor, hashlib.sha256).digest()
+
+
+def host_port(address):
+    host, port = address.rsplit(":", 1)
+    return host.strip("[]"), int(port)
+
+
+def raw_connect(address, timeout=10.0):
+    s = socket.create_connection(host_port(address), timeout=timeout)
+    s.settimeout(timeout)
+    return s
+
+
+def read_exactly(s, n):
+    """n bytes, or fewer if the peer closed first."""
+    out = b""
+    while len(out) < n:
+        try:
+            got = s.recv(n - len(out))
+        except (ConnectionResetError, socket.timeout):
+            break
+        if not got:
+            break
+        out += got
+    return out
+
+
+def wait_for(cond, timeout=10.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def roundtrip(client, server):
+    client.send(b"c" * 70000)
+    assert bytes(server.recv(timeout=10)) == b"c" * 70000
+    server.send(b"s")
+    assert bytes(client.recv(timeout=10)) == b"s"
+
+
+def make(backend_name, key, **extra):
+    return fabric.Fabric(backend_name, auth_key=key if key is not None else False, **small_options(**extra))
+
+
+# ------------------------------------------------------------ fabric to fabric
+
+@pytest.mark.timeout(60)
+def test_peers_holding_the_key_connect_and_move_data(backend_name):
+    a, b = make(backend_name, KEY), make(backend_name, KEY)
+    try:
+        assert a.authenticated and b.authenticated
+        client, server = connect_pair(a, b)
+        roundtrip(client, server)
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("client_key,server_key,client_says,server_says", [
+    (KEY, None, "peer has no key", "this Fabric has no key"),
+    (None, KEY, "this Fabric has no key", "peer has no key"),
+    (KEY, OTHER, "refused by the peer", "does not hold this Fabric's key"),
+], ids=["listener-without-key", "client-without-key", "wrong-key"])
+def test_a_peer_without_the_key_is_refused_on_both_sides(backend_name, client_key, server_key,
+                                                         client_says, server_says):
+    a, b = make(backend_name, client_key), make(backend_name, server_key)
+    good = make(backend_name, server_key)
+    lst = b.listen()
+    try:
+        with pytest.raises(fabric.AuthenticationError, match=client_says):
+            a.connect(lst.address, timeout=10)
+        assert wait_for(lambda: lst.refused == 1), lst.refused
+        assert server_says in lst.last_refusal
+        # the listener keeps serving; the refused peer never reaches accept()
+        client = good.connect(lst.address, timeout=10)
+        server = lst.accept(timeout=10)
+        roundtrip(client, server)
+        with pytest.raises(fabric.Timeout):
+            lst.accept(timeout=0.2)
+    finally:
+        for f in (a, b, good):
+            f.close(linger=0)
+
+
+@pytest.mark.timeout(60)
+def test_asyncio_connect_is_refused_and_accept_gets_only_good_peers(backend_name):
+    async def main():
+        a, b, good = make(backend_name, OTHER), make(backend_name, KEY), make(backend_name, KEY)
+        lst = b.listen()
+        try:
+            accepted = asyncio.ensure_future(lst.aaccept(timeout=20))
+            with pytest.raises(fabric.AuthenticationError):
+                await a.aconnect(lst.address, timeout=10)
+            client = await good.aconnect(lst.address, timeout=10)
+            server = await accepted
+            await client.asend(b"hello")
+            assert bytes(await server.arecv(timeout=10)) == b"hello"
+            assert lst.refused == 1
+        finally:
+            for f in (a, b, good):
+                f.close(linger=0)
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_the_key_appears_in_no_option_repr_or_message(backend_name):
+    f = make(backend_name, KEY)
+    try:
+        text = repr(f) + repr(f.options) + repr(vars(f))
+        assert KEY.decode() not in text and "auth_key" not in f.options
+    finally:
+        f.close()
+
+
+# ------------------------------------------------------------ hostile peers
+
+@pytest.mark.timeout(60)
+def test_the_handshake_is_the_specified_one(backend_name):
+    """A client written from the specification alone passes, and the
+    listener's MAC is HMAC(key, label | acceptor | P_c | P_a)."""
+    b = make(backend_name, KEY)
+    lst = b.listen()
+    try:
+        s = raw_connect(lst.address)
+        p_a = read_exactly(s, 48)
+        assert p_a[:4] == MAGIC and p_a[4] == 1 and p_a[5] == ACCEPTOR and p_a[6] == 1
+        assert p_a[8:16].rstrip(b"\0").decode() == b.name
+        p_c = preamble(CONNECTOR, True, b.name)
+        s.sendall(p_c + mac(KEY, CONNECTOR, p_c, p_a))
+        assert read_exactly(s, 32) == mac(KEY, ACCEPTOR, p_c, p_a)
+        s.close()
+        assert lst.refused == 0
+    finally:
+        b.close(linger=0)
+
+
+@pytest.mark.timeout(60)
+def test_a_replayed_handshake_is_refused_and_a_stranger_gets_no_mac(backend_name):
+    b = make(backend_name, KEY)
+    lst = b.listen()
+    try:
+        s = raw_connect(lst.address)                 # a recorded, good session
+        p_a = read_exactly(s, 48)
+        p_c = preamble(CONNECTOR, True, b.name)
+        recorded = p_c + mac(KEY, CONNECTOR, p_c, p_a)
+        s.sendall(recorded)
+        assert len(read_exactly(s, 32)) == 32
+        s.close()
+        s = raw_connect(lst.address)                 # the replay: the listener drew a new nonce
+        assert read_exactly(s, 48)[16:] != p_a[16:]
+        s.sendall(recorded)
+        assert read_exactly(s, 32) == b""            # closed, and no MAC of ours to learn from
+        s.close()
+        assert wait_for(lambda: lst.refused == 1)
+        assert "does not hold" in lst.last_refusal
+    finally:
+        b.close(linger=0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["own-preamble", "own-nonce"])
+def test_a_reflected_preamble_is_refused(backend_name, how):
+    b = make(backend_name, KEY)
+    lst = b.listen()
+    try:
+        s = raw_connect(lst.address)
+        p_a = read_exactly(s, 48)
+        s.sendall(p_a if how == "own-preamble" else preamble(CONNECTOR, True, b.name, nonce=p_a[16:]))
+        assert read_exactly(s, 32) == b""
+        s.close()
+        assert wait_for(lambda: lst.refused == 1)
+        assert "reflected" in lst.last_refusal
+    finally:
+        b.close(linger=0)
+
+
+@pytest.mark.timeout(60)
+def test_a_listener_reflecting_the_clients_mac_is_refused(backend_name):
+    """A fake listener without the key answers the client's MAC with that
+    same MAC: the sender's role inside the MAC makes it worthless."""
+    a = make(backend_name, KEY)
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+
+    def fake_listener():
+        conn, _ = srv.accept()
+        with conn:
+            conn.sendall(preamble(ACCEPTOR, True, a.name))
+            read_exactly(conn, 48)
+            conn.sendall(read_exactly(conn, 32))
+            read_exactly(conn, 1)
+
+    t = threading.Thread(target=fake_listener, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(fabric.AuthenticationError, match="does not hold"):
+            a.connect("127.0.0.1:%d" % srv.getsockname()[1], timeout=10)
+    finally:
+        a.close(linger=0)
+        srv.close()
+        t.join(10)
+
+
+@pytest.mark.timeout(60)
+def test_another_fabric_is_refused_with_a_clear_error(backend_name):
+    other = "ucx" if backend_name != "ucx" else "tcp"
+    b = make(backend_name, None)
+    lst = b.listen()
+    try:
+        s = raw_connect(lst.address)
+        read_exactly(s, 48)
+        s.sendall(preamble(CONNECTOR, False, other))
+        assert read_exactly(s, 1) == b""
+        assert wait_for(lambda: lst.refused == 1)
+        assert f"runs the {other} fabric" in lst.last_refusal
+    finally:
+        b.close(linger=0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("key", [KEY, None], ids=["key", "no-key"])
+def test_idle_and_garbage_connections_do_not_lock_a_client_out(backend_name, key):
+    """The issue's scenario: 200 connections that never speak and 50 that
+    send garbage, then a good client, which gets in at once."""
+    b = make(backend_name, key)
+    good = make(backend_name, key)
+    lst = b.listen()
+    idle = []
+    try:
+        for _ in range(200):
+            idle.append(raw_connect(lst.address))
+        for _ in range(50):
+            s = raw_connect(lst.address)
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 3)
+            idle.append(s)
+        client = good.connect(lst.address, timeout=5)
+        server = lst.accept(timeout=5)
+        roundtrip(client, server)
+        assert wait_for(lambda: lst.refused >= 50), lst.refused
+    finally:
+        for s in idle:
+            s.close()
+        b.close(linger=0)
+        good.close(linger=0)
+
+
+@pytest.mark.timeout(120)
+def test_a_full_table_of_silent_connections_gives_way_to_a_client(backend_name):
+    """More silent connections than max_pending_handshakes: the oldest
+    silent ones are dropped (past a grace period), a client gets in well
+    before the handshake timeout, and the listener never spins meanwhile."""
+    b = make(backend_name, KEY, max_pending_handshakes=8)
+    good = make(backend_name, KEY)
+    lst = b.listen()
+    idle = [raw_connect(lst.address) for _ in range(30)]
+    try:
+        client = good.connect(lst.address, timeout=8)
+        server = lst.accept(timeout=8)
+        roundtrip(client, server)
+        assert lst.evicted >= 1
+    finally:
+        for s in idle:
+            s.close()
+        b.close(linger=0)
+        good.close(linger=0)
+
+
+@pytest.mark.timeout(300)
+def test_random_bytes_never_harm_a_listener(backend_name):
+    b = make(backend_name, KEY, handshake_timeout=2.0)
+    good = make(backend_name, KEY)
+    lst = b.listen()
+    prefix = preamble(CONNECTOR, True, b.name)
+
+    @settings(max_examples=40, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(st.one_of(st.binary(max_size=200),
+                     st.builds(lambda cut, tail: prefix[:cut] + tail, st.integers(0, 48), st.binary(max_size=96))))
+    def check(data):
+        s = raw_connect(lst.address)
+        try:
+            s.sendall(data)
+            s.shutdown(socket.SHUT_WR)
+            read_exactly(s, 200)       # ends when the listener drops us (EOF or refusal)
+        finally:
+            s.close()
+
+    try:
+        check()
+        client = good.connect(lst.address, timeout=10)
+        server = lst.accept(timeout=10)
+        roundtrip(client, server)
+    finally:
+        b.close(linger=0)
+        good.close(linger=0)
+
+
+# ------------------------------------------------------------ keys
+
+def test_key_sources_and_their_order(tmp_path, monkeypatch):
+    monkeypatch.delenv("FABRIC_AUTH_KEY", raising=False)
+    monkeypatch.delenv("FABRIC_AUTH_KEY_FILE", raising=False)
+    assert auth.key_from() is None
+    path = tmp_path / "key"
+    path.write_bytes(OTHER + b"\n")
+    path.chmod(0o600)
+    assert auth.key_from(auth_key_file=path) == OTHER
+    monkeypatch.setenv("FABRIC_AUTH_KEY_FILE", str(path))
+    assert auth.key_from() == OTHER
+    monkeypatch.setenv("FABRIC_AUTH_KEY", KEY.decode())
+    assert auth.key_from() == KEY
+    assert auth.key_from(auth_key="x" * 16) == b"x" * 16
+    assert auth.key_from(auth_key=False) is None
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        auth.key_from(auth_key=b"short")
+    monkeypatch.setenv("FABRIC_AUTH_KEY", "short")
+    with pytest.raises(ValueError, match="FABRIC_AUTH_KEY"):
+        fabric.Fabric("tcp")
+
+
+def test_key_files_only_this_user_can_read(tmp_path):
+    path = tmp_path / "key"
+    path.write_bytes(KEY)
+    path.chmod(0o644)
+    with pytest.raises(fabric.FabricError, match="chmod 600"):
+        auth.read_key_file(path)
+    path.chmod(0o600)
+    link = tmp_path / "link"
+    link.symlink_to(path)
+    with pytest.raises(fabric.FabricError, match="symbolic link"):
+        auth.read_key_file(link)
+    with pytest.raises(fabric.FabricError, match="not a regular file"):
+        auth.read_key_file(tmp_path)
+    with pytest.raises(fabric.FabricError, match="cannot open"):
+        auth.read_key_file(tmp_path / "missing")
+    if os.geteuid() == 0:
+        os.chown(path, 65534, 65534)
+        with pytest.raises(fabric.FabricError, match="belongs to uid 65534"):
+            auth.read_key_file(path)
+
+
+@pytest.mark.timeout(120)
+def test_the_environment_key_protects_streams_and_the_default_fabric(backend_name):
+    """FABRIC_AUTH_KEY reaches what is built on Fabric without a key
+    argument (streams, the default fabric used by the integrations)."""
+    code = textwrap.dedent("""
+        import sys, fabric
+        name = sys.argv[1]
+        fab = fabric.default_fabric(name)
+        assert fab.authenticated
+        lst = fab.listen_stream("127.0.0.1:0")
+        stranger = fabric.Fabric(name, auth_key=False)
+        try:
+            stranger.connect_stream(lst.address, timeout=10)
+            raise SystemExit("a stranger got in")
+        except fabric.AuthenticationError:
+            pass
+        c = fabric.Fabric(name).connect_stream(lst.address, timeout=10)
+        s = lst.accept(timeout=10)
+        c.write(b"over a stream")
+        assert s.read(13, timeout=10) == b"over a stream"
+        print("ok")
+    """)
+    env = dict(os.environ, PYTHONPATH=ROOT, FABRIC_AUTH_KEY=KEY.decode())
+    r = subprocess.run([sys.executable, "-c", code, backend_name], capture_output=True, text=True,
+                       timeout=100, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
