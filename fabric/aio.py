@@ -337,6 +337,27 @@ async def connect(worker, host, port, timeout=None):
     if addresses is None:
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         addresses = [(family, addr) for family, _, _, _, addr in infos]
+    # a busy listener may drop a connection before answering it: try again
+    # (like connect(), within the timeout, else the handshake timeout)
+    retry_until = deadline if deadline is not None else loop.time() + float(worker.options["handshake_timeout"])
+    backoff = 0.01
+    while True:
+        ep = await _connect_once(worker, loop, host, port, addresses, deadline)
+        if ep._state() > 0:
+            return ep
+        if ep._retryable() and loop.time() + backoff < retry_until:
+            ep.close(linger=0)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 0.25)
+            continue
+        error = ep._connect_error(f"connect to {host}:{port}")
+        ep.close(linger=0)
+        raise error
+
+
+async def _connect_once(worker, loop, host, port, addresses, deadline):
+    """One connection attempt: an Endpoint that opened or failed (its
+    failure says whether another attempt may succeed)."""
     last = None
     sock = None
     for family, addr in addresses:
@@ -376,8 +397,4 @@ async def connect(worker, host, port, timeout=None):
     except BaseException:
         ep.close(linger=0)
         raise
-    if ep._state() < 0:
-        error = ep._connect_error(f"connect to {host}:{port}")
-        ep.close(linger=0)
-        raise error
     return ep

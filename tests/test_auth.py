@@ -162,20 +162,36 @@ def test_the_key_appears_in_no_option_repr_or_message(backend_name):
 
 @pytest.mark.timeout(60)
 def test_the_handshake_is_the_specified_one(backend_name):
-    """A client written from the specification alone passes, and the
-    listener's MAC is HMAC(key, label | acceptor | P_c | P_a)."""
+    """A client written from the specification alone passes: the listener
+    answers its preamble with one of its own, checks its MAC, and answers
+    with HMAC(key, label | acceptor | P_c | P_a)."""
     b = make(backend_name, KEY)
     lst = b.listen()
     try:
         s = raw_connect(lst.address)
+        p_c = preamble(CONNECTOR, True, b.name)
+        s.sendall(p_c)
         p_a = read_exactly(s, 48)
         assert p_a[:4] == MAGIC and p_a[4] == 1 and p_a[5] == ACCEPTOR and p_a[6] == 1
         assert p_a[8:16].rstrip(b"\0").decode() == b.name
-        p_c = preamble(CONNECTOR, True, b.name)
-        s.sendall(p_c + mac(KEY, CONNECTOR, p_c, p_a))
+        s.sendall(mac(KEY, CONNECTOR, p_c, p_a))
         assert read_exactly(s, 32) == mac(KEY, ACCEPTOR, p_c, p_a)
         s.close()
         assert lst.refused == 0
+    finally:
+        b.close(linger=0)
+
+
+@pytest.mark.timeout(60)
+def test_a_listener_never_speaks_first(backend_name):
+    b = make(backend_name, KEY)
+    lst = b.listen()
+    try:
+        s = raw_connect(lst.address)
+        s.settimeout(0.5)
+        with pytest.raises(socket.timeout):
+            s.recv(1)
+        s.close()
     finally:
         b.close(linger=0)
 
@@ -186,15 +202,17 @@ def test_a_replayed_handshake_is_refused_and_a_stranger_gets_no_mac(backend_name
     lst = b.listen()
     try:
         s = raw_connect(lst.address)                 # a recorded, good session
-        p_a = read_exactly(s, 48)
         p_c = preamble(CONNECTOR, True, b.name)
-        recorded = p_c + mac(KEY, CONNECTOR, p_c, p_a)
-        s.sendall(recorded)
+        s.sendall(p_c)
+        p_a = read_exactly(s, 48)
+        recorded_mac = mac(KEY, CONNECTOR, p_c, p_a)
+        s.sendall(recorded_mac)
         assert len(read_exactly(s, 32)) == 32
         s.close()
-        s = raw_connect(lst.address)                 # the replay: the listener drew a new nonce
+        s = raw_connect(lst.address)                 # the replay: the listener draws a new nonce
+        s.sendall(p_c)
         assert read_exactly(s, 48)[16:] != p_a[16:]
-        s.sendall(recorded)
+        s.sendall(recorded_mac)
         assert read_exactly(s, 32) == b""            # closed, and no MAC of ours to learn from
         s.close()
         assert wait_for(lambda: lst.refused == 1)
@@ -204,14 +222,13 @@ def test_a_replayed_handshake_is_refused_and_a_stranger_gets_no_mac(backend_name
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("how", ["own-preamble", "own-nonce"])
-def test_a_reflected_preamble_is_refused(backend_name, how):
+def test_a_peer_claiming_the_listeners_role_is_refused(backend_name):
     b = make(backend_name, KEY)
     lst = b.listen()
     try:
         s = raw_connect(lst.address)
-        p_a = read_exactly(s, 48)
-        s.sendall(p_a if how == "own-preamble" else preamble(CONNECTOR, True, b.name, nonce=p_a[16:]))
+        s.sendall(preamble(ACCEPTOR, True, b.name))
+        assert len(read_exactly(s, 48)) == 48        # answered, so a fabric peer could say why
         assert read_exactly(s, 32) == b""
         s.close()
         assert wait_for(lambda: lst.refused == 1)
@@ -220,32 +237,81 @@ def test_a_reflected_preamble_is_refused(backend_name, how):
         b.close(linger=0)
 
 
-@pytest.mark.timeout(60)
-def test_a_listener_reflecting_the_clients_mac_is_refused(backend_name):
-    """A fake listener without the key answers the client's MAC with that
-    same MAC: the sender's role inside the MAC makes it worthless."""
-    a = make(backend_name, KEY)
+def fake_listener(answer):
+    """A raw listener: answer(conn) plays the listener's part once."""
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
 
-    def fake_listener():
-        conn, _ = srv.accept()
+    def serve():
+        try:
+            conn, _ = srv.accept()
+        except OSError:
+            return
         with conn:
-            conn.sendall(preamble(ACCEPTOR, True, a.name))
-            read_exactly(conn, 48)
-            conn.sendall(read_exactly(conn, 32))
+            conn.settimeout(10)
+            answer(conn)
             read_exactly(conn, 1)
 
-    t = threading.Thread(target=fake_listener, daemon=True)
+    t = threading.Thread(target=serve, daemon=True)
     t.start()
+    return srv, t, "127.0.0.1:%d" % srv.getsockname()[1]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("what", ["preamble", "mac"])
+def test_a_listener_reflecting_the_clients_messages_is_refused(backend_name, what):
+    """A fake listener without the key sends the client's own preamble back,
+    or answers the client's MAC with that same MAC: the roles inside make
+    both worthless."""
+    a = make(backend_name, KEY)
+
+    def answer(conn):
+        p_c = read_exactly(conn, 48)
+        if what == "preamble":
+            conn.sendall(p_c)
+        else:
+            conn.sendall(preamble(ACCEPTOR, True, a.name))
+            conn.sendall(read_exactly(conn, 32))
+
+    srv, t, address = fake_listener(answer)
     try:
-        with pytest.raises(fabric.AuthenticationError, match="does not hold"):
-            a.connect("127.0.0.1:%d" % srv.getsockname()[1], timeout=10)
+        with pytest.raises(fabric.AuthenticationError, match="reflected" if what == "preamble" else "does not hold"):
+            a.connect(address, timeout=10)
     finally:
         a.close(linger=0)
         srv.close()
         t.join(10)
+
+
+@pytest.mark.timeout(60)
+def test_a_listener_that_never_answers_is_retried_then_reported(backend_name):
+    """A connection dropped before any answer is retried (a busy listener
+    does that); a listener that always does it fails the connect clearly."""
+    a = make(backend_name, None)
+    attempts = []
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+
+    def serve():
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            attempts.append(1)
+            conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(fabric.ConnectionLost, match="before answering"):
+            a.connect("127.0.0.1:%d" % srv.getsockname()[1], timeout=1.0)
+        assert len(attempts) > 1
+    finally:
+        a.close(linger=0)
+        srv.close()
 
 
 @pytest.mark.timeout(60)
@@ -255,8 +321,8 @@ def test_another_fabric_is_refused_with_a_clear_error(backend_name):
     lst = b.listen()
     try:
         s = raw_connect(lst.address)
-        read_exactly(s, 48)
         s.sendall(preamble(CONNECTOR, False, other))
+        assert len(read_exactly(s, 48)) == 48
         assert read_exactly(s, 1) == b""
         assert wait_for(lambda: lst.refused == 1)
         assert f"runs the {other} fabric" in lst.last_refusal

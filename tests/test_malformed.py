@@ -28,8 +28,8 @@ class RawPeer:
         self.sock = socket.create_connection((host, int(port)), timeout=10)
         self.buf = b""
         # the connection preamble, without a key (fabric/protocol/core/auth.pxi)
-        assert self.read_exact(48)[:4] == b"FBAU"
         self.sock.sendall(b"FBAU" + bytes([1, 0, 0, 0]) + b"tcp".ljust(8, b"\0") + os.urandom(32))
+        assert self.read_exact(48)[:4] == b"FBAU"
 
     def read_exact(self, n):
         while len(self.buf) < n:

@@ -39,6 +39,7 @@ from fabric.protocol.frame cimport *
 import errno as _errno
 import logging as _logging
 import sys as _sys
+import time as _time
 import warnings as _warnings
 from fabric import errors as _errors
 

@@ -5,8 +5,10 @@
 # address or QP number exists for a peer until it passed. Owns the endpoint
 # state EP_AUTH and its auth_t record.
 #
-# Both ends send a preamble at once; with a shared key (Fabric(auth_key=...))
-# they then prove they hold it:
+# The connecting end sends its preamble at once; the listener answers with its
+# own once the connector's is in (it never speaks first: a port scan learns
+# nothing). With a shared key (Fabric(auth_key=...)) both then prove they
+# hold it:
 #
 #   preamble, 48 bytes: "FBAU" | u8 version 1 | u8 role (0 connector,
 #       1 acceptor) | u8 flags (1: has a key) | u8 0 | char[8] fabric name |
@@ -20,8 +22,14 @@
 # the MAC defeats reflection (an acceptor's MAC is no connector's MAC).
 # MACs are compared in constant time. Without keys on both ends only the
 # preambles run: they still catch a key on one end only, another fabric and
-# another version, each with a clear error. A refusal closes the socket and
-# tells the peer nothing more.
+# another version, each with a clear error (the listener answers a full
+# preamble even when it refuses it, so the connector can say why). A refusal
+# closes the socket and tells the peer nothing more.
+#
+# A listener whose table of pending handshakes is full drops the oldest
+# connections that have not delivered their preamble yet (lifecycle.pxi); a
+# connector that loses its connection before any answer retries it (the
+# listener was busy, or a slow client lost its place), within its timeout.
 #
 # Invariants: each side reads exactly the bytes of the stage it is in (what
 # follows belongs to the channel); the acceptor's last byte is out before its
@@ -45,7 +53,7 @@ cdef enum:
     ROLE_ACCEPTOR = 1
     AS_PREAMBLE = 1         # exchanging preambles
     AS_PEER_MAC = 2         # waiting for the peer's MAC
-    AS_SEND_MAC = 3         # acceptor: our MAC is going out, then the channel
+    AS_FLUSH = 3            # our last bytes go out, then the channel
 
 cdef const char* AUTH_MAGIC = b"FBAU"
 cdef const char* AUTH_LABEL = b"fabric-auth/1"
@@ -88,8 +96,8 @@ cdef ep_t* ep_create_gated(worker_t* w, int fd, int role, fab_attach* attach, ls
     if getrandom(a.ours + 16, 32, 0) != 32:
         ep_fail(ep, ENOMEM, "cannot draw a nonce for the connection preamble (getrandom failed)")
         return ep
-    memcpy(a.out, a.ours, AUTH_PREAMBLE)
-    a.out_len = AUTH_PREAMBLE
+    if role == ROLE_CONNECTOR:
+        auth_queue(a, a.ours, AUTH_PREAMBLE)
     q_add(&w.dirty, &ep.dirty)
     auth_progress(ep)
     return ep
@@ -112,6 +120,10 @@ cdef void auth_mac(worker_t* w, auth_t* a, int sender, uint8_t* out) noexcept no
         fab_hmac_update(&m, a.ours, AUTH_PREAMBLE)
     fab_hmac_final(&m, out)
     fab_wipe(&m, sizeof(m))
+
+cdef void auth_queue(auth_t* a, const uint8_t* data, uint32_t n) noexcept nogil:
+    memcpy(a.out + a.out_len, data, n)
+    a.out_len += n
 
 cdef void auth_queue_mac(worker_t* w, auth_t* a) noexcept nogil:
     auth_mac(w, a, a.role, a.out + a.out_len)
@@ -166,7 +178,7 @@ cdef int auth_io(ep_t* ep, auth_t* a) noexcept nogil:
             ep_fail(ep, ECONNRESET, "the peer closed the connection during authentication")
             return -1
         a.out_done += <uint32_t>r
-    if a.stage == AS_SEND_MAC:
+    if a.stage == AS_FLUSH:
         return 1 if a.out_done == a.out_len else 0
     if a.stage == AS_PREAMBLE:
         dst = a.theirs
@@ -177,16 +189,19 @@ cdef int auth_io(ep_t* ep, auth_t* a) noexcept nogil:
     while a.in_done < want:
         # only this stage's bytes: what follows belongs to the channel
         r = recv(a.fd, dst + a.in_done, want - a.in_done, MSG_DONTWAIT)
-        if r == 0:
-            if a.stage == AS_PEER_MAC and a.role == ROLE_CONNECTOR:
+        if r < 0 and (errno == EAGAIN or errno == EINTR):
+            return 0
+        if r <= 0:
+            if a.role == ROLE_CONNECTOR and a.stage == AS_PREAMBLE and a.in_done == 0:
+                # no answer at all: a busy listener dropped us (connect retries)
+                ep_fail(ep, EAGAIN, "the listener closed the connection before answering (busy, "
+                                    "or not a fabric listener)")
+            elif a.stage == AS_PEER_MAC and a.role == ROLE_CONNECTOR:
                 ep_fail(ep, EKEYREJECTED_, "authentication refused by the peer (it holds a different key)")
-            else:
+            elif r == 0:
                 ep_fail(ep, ECONNRESET, "the peer closed the connection during authentication")
-            return -1
-        if r < 0:
-            if errno == EAGAIN or errno == EINTR:
-                return 0
-            ep_fail(ep, ECONNRESET, "the connection failed during authentication")
+            else:
+                ep_fail(ep, ECONNRESET, "the connection failed during authentication")
             return -1
         a.heard += <int>r
         a.in_done += <uint32_t>r
@@ -207,13 +222,17 @@ cdef void auth_progress(ep_t* ep) noexcept nogil:
         if rc <= 0:
             return
         if a.stage == AS_PREAMBLE:
-            if auth_check_preamble(ep, a) < 0:
+            if a.role == ROLE_ACCEPTOR:
+                # answer even a preamble we refuse: the connector then says why
+                auth_queue(a, a.ours, AUTH_PREAMBLE)
+                if auth_check_preamble(ep, a) < 0:
+                    send(a.fd, a.out, a.out_len, MSG_DONTWAIT | MSG_NOSIGNAL)
+                    return
+            elif auth_check_preamble(ep, a) < 0:
                 return
             if w.auth_key == NULL:
-                if a.out_done < a.out_len:
-                    return          # our preamble must be out before the channel speaks
-                auth_pass(ep)
-                return
+                a.stage = AS_FLUSH  # our preamble must be out before the channel speaks
+                continue
             a.stage = AS_PEER_MAC
             a.in_done = 0
             if a.role == ROLE_CONNECTOR:
@@ -228,7 +247,7 @@ cdef void auth_progress(ep_t* ep) noexcept nogil:
             if a.role == ROLE_CONNECTOR:
                 auth_pass(ep)
                 return
-            a.stage = AS_SEND_MAC
+            a.stage = AS_FLUSH
             auth_queue_mac(w, a)
         else:
             auth_pass(ep)

@@ -290,27 +290,22 @@ cdef void listener_rearm(lst_t* l) noexcept nogil:
         l.disarmed = 0
 
 cdef inline int evictable(ep_t* ep, double now) noexcept nogil:
-    """0: keep; else a rank (lower goes first) for a pending handshake old
-    enough to give way to a new connection: silent ones, then those still
-    in their preamble or authentication, then (without a key) those in
-    their HELLO exchange."""
-    if ep.state == EP_AUTH:
-        if now - ep.auth.started < EVICT_GRACE:
-            return 0
-        return 1 if ep.auth.heard == 0 else 2
-    if ep.state == EP_HANDSHAKE and ep.w.auth_key == NULL and now >= handshake_may_give_way(ep):
-        return 3
-    return 0
+    """0: keep; else a rank (lower goes first) for a pending connection that
+    may give way to a new one: only those that have not delivered their
+    preamble within the grace period (silent ones first). The listener has
+    not answered them, so a legitimate but slow client sees its connection
+    end before any answer and retries; a connection past its preamble is
+    never dropped."""
+    if ep.state != EP_AUTH or ep.auth.stage != AS_PREAMBLE or now < handshake_may_give_way(ep):
+        return 0
+    return 1 if ep.auth.heard == 0 else 2
 
 cdef inline double handshake_may_give_way(ep_t* ep) noexcept nogil:
-    """When a pending connection past its authentication may be dropped to
-    make room: never if it proved the key (a peer of ours: let it finish),
-    else after four grace periods (a busy client sends HELLO late)."""
-    if ep.state == EP_AUTH:
+    """When a pending connection may be dropped to make room (see evictable);
+    for one that never may, when it ends at the latest."""
+    if ep.state == EP_AUTH and ep.auth.stage == AS_PREAMBLE:
         return ep.auth.started + EVICT_GRACE
-    if ep.w.auth_key != NULL:
-        return ep.hs_deadline
-    return ep.hs_deadline - ep.w.opts.handshake_timeout + 4 * EVICT_GRACE
+    return ep.hs_deadline
 
 cdef int listener_evict(lst_t* l) noexcept nogil:
     """Drop the pending handshake that most deserves it to make room: 1 if

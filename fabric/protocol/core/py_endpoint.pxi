@@ -488,6 +488,11 @@ cdef class Endpoint:
             return "never connected"
         return self.ep.error.decode(errors="replace") or "closed"
 
+    def _retryable(self):
+        """fabric.aio: the connect failed before the listener answered at
+        all (a busy listener drops connections it has not answered yet)."""
+        return self.ep != NULL and self.ep.err == EAGAIN and not self.ep.opened
+
     def _connect_error(self, str what):
         """The exception for a connect that failed (fabric.aio): its class
         says why (authentication, protocol, the connection)."""

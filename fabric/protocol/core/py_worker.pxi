@@ -601,6 +601,23 @@ cdef class Worker:
 
     def connect(self, str host, int port, timeout=None):
         cdef double deadline = deadline_of(timeout)
+        # a busy listener may drop a connection before answering it: try
+        # again within the timeout (else within the handshake timeout)
+        cdef double retry_until = deadline if deadline >= 0 else monotonic_now() + self.w.opts.handshake_timeout
+        backoff = 0.01
+        while True:
+            ep = self._connect_once(host, port, deadline)
+            if ep is not None:
+                return ep
+            if monotonic_now() + backoff >= retry_until:
+                raise _errors.ConnectionLost(f"connect to {host}:{port} failed: the listener closed every "
+                                             f"attempt before answering (busy, or not a fabric listener)")
+            _time.sleep(backoff)
+            backoff = min(backoff * 2, 0.25)
+
+    cdef object _connect_once(self, str host, int port, double deadline):
+        """One attempt: the Endpoint, or None if the listener dropped the
+        connection before answering (another attempt may succeed)."""
         cdef double hs_deadline
         cdef ep_t* ep
         cdef int rc = 0, why = 0, ok = 0
@@ -642,6 +659,8 @@ cdef class Worker:
                 raise _errors.Timeout(f"connect to {host}:{port}: no handshake from the peer")
             if rc == ESHUTDOWN_:
                 raise _errors.ConnectionClosed("the Fabric was closed during connect")
+            if err == EAGAIN:
+                return None
             raise connect_error(err, f"connect to {host}:{port}", error.decode(errors="replace"))
         return make_endpoint(self, ep)
 
