@@ -83,6 +83,14 @@ extensions = [
     ext("fabric._buffers"),
 ]
 
+# TLS for the tcp fabric, where OpenSSL's headers are (libssl-dev); without
+# them the tcp fabric still builds and Fabric("tcp", ssl=...) says why not.
+if os.path.exists("/usr/include/openssl/ssl.h") and os.environ.get("FABRIC_TLS", "auto") != "off":
+    extensions.append(ext("fabric.backends.tls", libraries=["ssl", "crypto"]))
+else:
+    print("fabric: no openssl/ssl.h; TLS on the tcp fabric is not built (apt install libssl-dev)",
+          file=sys.stderr)
+
 # Test-only (tests/test_memory_fabric.py): the in-memory fabric, never a
 # user-facing backend (not in fabric.backends.KNOWN). FABRIC_MEMORY_FABRIC=off skips it.
 if os.environ.get("FABRIC_MEMORY_FABRIC", "auto") != "off":

@@ -380,7 +380,7 @@ async def _connect_once(worker, loop, host, port, addresses, deadline):
     if sock is None:
         reason = last.strerror if last is not None and last.strerror else last
         raise ConnectionLost(f"cannot connect to {host}:{port}: {reason}")
-    ep = worker._attach_connected(sock.detach())
+    ep = worker._attach_connected(sock.detach(), True, host)
     d = driver(worker)
     hs = loop.time() + float(worker.options["handshake_timeout"])
     hs_deadline = hs if deadline is None else min(hs, deadline)

@@ -30,11 +30,14 @@ class Fabric:
     fabric.options), overriding profile and environment. With a key (the
     arguments, $FABRIC_AUTH_KEY or $FABRIC_AUTH_KEY_FILE, see fabric.auth)
     every connection proves both ends hold it before anything else is sent;
-    connections that fail raise AuthenticationError.
+    connections that fail raise AuthenticationError. ssl (tcp only): an
+    ssl.SSLContext, or a pair (server, client): every connection of the
+    listeners (a server context) and connects (a client context) runs TLS.
     """
 
     def __init__(self, backend: str | None = None, *, auth_key: bytes | str | bool | None = None,
-                 auth_key_file: str | os.PathLike[str] | None = None, **options: Any) -> None:
+                 auth_key_file: str | os.PathLike[str] | None = None, ssl: Any = None,
+                 **options: Any) -> None:
         name = backend or os.environ.get("FABRIC_BACKEND") or "auto"
         key = _auth.key_from(auth_key, auth_key_file)
         self.backend: Backend
@@ -43,7 +46,7 @@ class Fabric:
             self.backend_reason += " by FABRIC_BACKEND"
         self.options: dict[str, Any] = _options.resolve(self.backend.name, self.backend.default_options(), options)
         # the key lives in the engine only (never in options, logs or repr)
-        self._worker = Worker(self.backend, self.options, key)
+        self._worker = Worker(self.backend, self.options, key, ssl)
         del key
         self.authenticated: bool = self._worker.authenticates
         if _log.isEnabledFor(logging.INFO):

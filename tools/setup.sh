@@ -24,6 +24,8 @@ if [ "$LEAN" = 0 ]; then
     command -v clang >/dev/null || command -v clang-14 >/dev/null || need+=(clang)
     # the openssl command: the TLS tests make their certificates with it
     command -v openssl >/dev/null || need+=(openssl)
+    # OpenSSL's headers: TLS on the tcp fabric (fabric/backends/tls.pyx)
+    dpkg -s libssl-dev >/dev/null 2>&1 || need+=(libssl-dev)
 fi
 # Debian's UCX (1.13): a second UCX for the soname-clash test and for
 # FABRIC_UCX=system builds.

@@ -617,7 +617,8 @@ cdef void mem_close(fab_channel* ch) noexcept nogil:
     link_unref(L)
 
 
-cdef fab_channel* mem_attach(void* domain, int fd, size_t max_recv, uint32_t recv_depth) noexcept nogil:
+cdef fab_channel* mem_attach(void* domain, int fd, size_t max_recv, uint32_t recv_depth,
+                            const char* host) noexcept nogil:
     cdef mem_side* s = <mem_side*>domain
     cdef mem_link* L
     cdef mem_chan* c

@@ -180,7 +180,7 @@ cdef int boot_accept(fab_listener* lst) noexcept nogil:
 
 cdef fab_channel* boot_accepted(fab_listener* lst, int fd, size_t max_recv) noexcept nogil:
     cdef boot_listener* l = <boot_listener*>lst
-    return l.make(l.domain, fd, max_recv, l.depth)     # closes fd if it fails
+    return l.make(l.domain, fd, max_recv, l.depth, NULL)     # closes fd if it fails
 
 
 cdef void boot_close_listener(fab_listener* lst) noexcept nogil:

@@ -231,13 +231,16 @@ cdef inline uint32_t recv_depth_for(dict options):
 
 
 # What attach needs, prepared with the GIL (prepare_attach), used without it.
+# host: the name the application connected to (for TLS host name checks), or
+# NULL on an accepted socket.
 ctypedef fab_channel* (*fab_attach_fn)(void* domain, int fd, size_t max_recv,
-                                       uint32_t recv_depth) noexcept nogil
+                                       uint32_t recv_depth, const char* host) noexcept nogil
 
 cdef struct fab_attach:
     fab_attach_fn attach           # builds the channel on a connected fd (owns fd: closes it on failure)
     void* domain                   # the backend's C domain, or NULL
     uint32_t recv_depth
+    char host[256]                 # the name connected to (filled in by the engine)
 
 
 cdef class Backend:

@@ -32,6 +32,12 @@ cdef class Backend:
         """Per-Fabric backend state, kept alive by the Fabric; None if unused."""
         return None
 
+    def open_domain_tls(self, dict options, ssl):
+        """open_domain for Fabric(ssl=...): only the tcp fabric runs TLS."""
+        from fabric.errors import BackendUnavailable
+        raise BackendUnavailable(f"TLS (ssl=) is for the tcp fabric; {self.name} protects its bootstrap "
+                                 f"with authentication (auth_key) and its data path is the fabric's own")
+
     def close_domain(self, domain):
         """Release the per-Fabric state now (the Fabric is closing and every
         channel and listener of the domain is closed)."""

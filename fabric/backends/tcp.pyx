@@ -11,6 +11,9 @@ Wire format below the engine (little-endian, 16-byte header):
     READ_RESP  ident = request id, exactly the requested bytes follow.
     READ_ERR   ident = request id, 4 bytes follow: u32 errno of the refusal.
 
+With TLS (Fabric("tcp", ssl=...), fabric/backends/tls.pyx) the same bytes
+run inside a TLS session on the socket.
+
 One-sided read is emulated: the reader sends READ_REQ, the owner's backend
 checks the key and range against the regions registered *on this connection*
 and answers from the registered memory with one sendmsg (header + region, no
@@ -22,14 +25,25 @@ from libc.stdlib cimport malloc, calloc, realloc, free
 from libc.string cimport memcpy, memmove, memset, strlen
 from posix.uio cimport iovec
 from cpython.bytes cimport PyBytes_AsString
+from cpython.pycapsule cimport PyCapsule_GetPointer
+from libc.stdint cimport uintptr_t
 
 from fabric._posix cimport *
 from fabric._bytes cimport wr32, wr64, rd32, rd64
 from fabric.backends.interface cimport *
 from fabric.backends.sockets cimport (accept_socket, listen_socket,
                                      local_and_peer_names, tune_socket)
+from fabric.backends.tls cimport fab_tls_ops
+
+cdef extern from *:
+    """
+    #include <errno.h>
+    static inline void fab_set_errno(int e) { errno = e; }
+    """
+    void set_errno "fab_set_errno"(int e) noexcept nogil
 
 cdef enum:
+    EKEYREJECTED_ = 129        # a TLS certificate was refused
     HDR = 16
     MAGIC = 0xFA
     # Answers to the peer's read requests waiting for socket space. A peer
@@ -92,6 +106,68 @@ cdef struct tcp_chan:
     uint32_t key_gen
     uint32_t answers           # queued answers to read requests (QUEUED_ANSWERS_MAX)
     uint32_t answers_max       # the most there ever were (fuzzing checks the bound)
+    fab_tls_ops* tls_ops       # TLS: the session's functions and state, else NULL
+    void* tls
+
+
+# Per-Fabric state when the Fabric runs TLS (else the domain is NULL).
+cdef struct tcp_domain:
+    fab_tls_ops* ops
+    void* server_ctx           # OpenSSL contexts (a reference each), or NULL
+    void* client_ctx
+    int check_hostname         # the client context checks host names
+    int refs                   # the Fabric and each listener (atomic)
+
+
+cdef void tcp_domain_unref(tcp_domain* d) noexcept nogil:
+    if d != NULL and domain_unref_last(&d.refs):
+        if d.server_ctx != NULL:
+            d.ops.ctx_free(d.server_ctx)
+        if d.client_ctx != NULL:
+            d.ops.ctx_free(d.client_ctx)
+        free(d)
+
+
+cdef void tls_failed(tcp_chan* c, const char* text) noexcept nogil:
+    """A TLS session failed: the channel fails with its whole reason (a
+    refused certificate as EKEYREJECTED, which the engine reports as an
+    AuthenticationError); errno stays for the caller."""
+    cdef int err = errno
+    if not c.base.failed:
+        c.base.failed = err if err == EKEYREJECTED_ else EPROTO
+        snprintf(c.base.error, FAB_ERROR_TEXT, "%s", text)
+    set_errno(err)
+
+
+cdef ssize_t io_sendv(tcp_chan* c, iovec* iov, int cnt) noexcept nogil:
+    """sendmsg on the socket or in the TLS session: bytes taken, or -1 with
+    errno (a TLS failure has failed the channel with its reason already)."""
+    cdef msghdr mh
+    cdef ssize_t r
+    cdef char text[FAB_ERROR_TEXT]
+    if c.tls != NULL:
+        text[0] = 0
+        r = c.tls_ops.sendv(c.tls, iov, cnt, text, FAB_ERROR_TEXT)
+        if r < 0 and errno != EAGAIN and text[0]:
+            tls_failed(c, text)
+        return r
+    memset(&mh, 0, sizeof(mh))
+    mh.msg_iov = iov
+    mh.msg_iovlen = cnt
+    return sendmsg(c.base.fd, &mh, MSG_DONTWAIT | MSG_NOSIGNAL)
+
+
+cdef ssize_t io_recv(tcp_chan* c, char* buf, size_t n) noexcept nogil:
+    """recv on the socket or in the TLS session (see io_sendv)."""
+    cdef ssize_t r
+    cdef char text[FAB_ERROR_TEXT]
+    if c.tls != NULL:
+        text[0] = 0
+        r = c.tls_ops.recv(c.tls, buf, n, text, FAB_ERROR_TEXT)
+        if r < 0 and errno != EAGAIN and text[0]:
+            tls_failed(c, text)
+        return r
+    return recv(c.base.fd, buf, n, MSG_DONTWAIT)
 
 
 cdef fab_channel_ops TCP_OPS
@@ -193,13 +269,10 @@ cdef int flush_sends(tcp_chan* c) noexcept nogil:
             else:
                 free_send(s)
             continue
-        memset(&mh, 0, sizeof(mh))
         n = s.iovcnt - s.iovpos
         if n > MAX_IOV:
             n = MAX_IOV
-        mh.msg_iov = &s.iov[s.iovpos]
-        mh.msg_iovlen = n
-        r = sendmsg(c.base.fd, &mh, MSG_DONTWAIT | MSG_NOSIGNAL)
+        r = io_sendv(c, &s.iov[s.iovpos], n)
         if r < 0:
             if errno == EAGAIN:
                 return 0
@@ -234,11 +307,8 @@ cdef int tcp_send_msg(fab_channel* ch, iovec* iov, fab_mr** mrs, int iovcnt, uin
     v[0].iov_len = HDR
     r = 0
     if c.sq_head == NULL:
-        memset(&mh, 0, sizeof(mh))
-        mh.msg_iov = v
-        mh.msg_iovlen = iovcnt + 1
         while True:
-            r = sendmsg(ch.fd, &mh, MSG_DONTWAIT | MSG_NOSIGNAL)
+            r = io_sendv(c, v, iovcnt + 1)
             if r >= 0 or errno != EINTR:
                 break
         if r == <ssize_t>(total + HDR):
@@ -456,7 +526,7 @@ cdef int recv_payload(tcp_chan* c, fab_completion* out, int n) noexcept nogil:
                 want = DISCARD
         else:
             target = r.dst + c.cur_done
-        got = recv(c.base.fd, target, want, MSG_DONTWAIT)
+        got = io_recv(c, target, want)
         if got == 0:
             fab_fail(&c.base, ECONNRESET, "peer closed the connection during a read")
             return n
@@ -578,7 +648,7 @@ cdef int tcp_poll(fab_channel* ch, fab_completion* out, int max_events) noexcept
             c.rpos = 0
         elif c.rlen == c.rcap:
             break
-        got = recv(ch.fd, c.rbuf + c.rlen, c.rcap - c.rlen, MSG_DONTWAIT)
+        got = io_recv(c, c.rbuf + c.rlen, c.rcap - c.rlen)
         if got > 0:
             c.rlen += <size_t>got
             ch.activity += 1
@@ -609,6 +679,11 @@ cdef int tcp_arm(fab_channel* ch, uint32_t* events) noexcept nogil:
         length = rd32(h + 4)
         if h[1] == K_READ_RESP or avail >= HDR + <size_t>length:
             return 1
+    if c.tls != NULL:
+        if c.tls_ops.pending(c.tls):
+            return 1              # decrypted bytes wait in the session, not in the socket
+        events[0] = EPOLLIN | (EPOLLOUT if c.sq_head != NULL or c.tls_ops.want_write(c.tls) else 0)
+        return 0
     events[0] = EPOLLIN | (EPOLLOUT if c.sq_head != NULL else 0)
     return 0
 
@@ -617,6 +692,9 @@ cdef void tcp_close(fab_channel* ch) noexcept nogil:
     cdef tcp_chan* c = <tcp_chan*>ch
     cdef tcp_send* s
     cdef tcp_read* r
+    if c.tls != NULL:
+        c.tls_ops.free(c.tls)
+        c.tls = NULL
     if ch.fd >= 0:
         close(ch.fd)
         ch.fd = -1
@@ -673,6 +751,7 @@ cdef struct tcp_lst:
     fab_listener base
     int user_timeout_ms
     int keepalive_s
+    tcp_domain* tls            # with a server context: accepted channels run TLS
 
 
 cdef int tcp_accept(fab_listener* lst) noexcept nogil:
@@ -684,16 +763,62 @@ cdef int tcp_accept(fab_listener* lst) noexcept nogil:
 
 
 cdef fab_channel* tcp_accepted(fab_listener* lst, int fd, size_t max_recv) noexcept nogil:
-    cdef fab_channel* ch = new_channel(fd, max_recv)
-    if ch == NULL:
-        close(fd)
-    return ch
+    cdef tcp_lst* l = <tcp_lst*>lst
+    return channel_on(fd, max_recv, l.tls, 1, NULL)
 
 
 cdef void tcp_close_listener(fab_listener* lst) noexcept nogil:
+    cdef tcp_lst* l = <tcp_lst*>lst
     if lst.fd >= 0:
         close(lst.fd)
+    tcp_domain_unref(l.tls)
     free(lst)
+
+
+cdef fab_channel* channel_on(int fd, size_t max_recv, tcp_domain* d, int server, const char* host) noexcept nogil:
+    """A channel on a connected socket, in a TLS session when the Fabric
+    runs TLS (owns fd: closes it on failure)."""
+    cdef fab_channel* ch = new_channel(fd, max_recv)
+    cdef tcp_chan* c
+    if ch == NULL:
+        close(fd)
+        return NULL
+    if d == NULL:
+        return ch
+    c = <tcp_chan*>ch
+    c.tls_ops = d.ops
+    c.tls = d.ops.start(d.server_ctx if server else d.client_ctx, fd, server, host,
+                        0 if server else d.check_hostname, ch.error, FAB_ERROR_TEXT)
+    if c.tls == NULL:
+        ch.failed = EPROTO          # the first poll reports it, with the reason start() gave
+    return ch
+
+
+cdef fab_channel* tcp_attach(void* domain, int fd, size_t max_recv, uint32_t recv_depth,
+                             const char* host) noexcept nogil:
+    return channel_on(fd, max_recv, <tcp_domain*>domain, 0, host)
+
+
+cdef class TcpDomain:
+    """A Fabric's TLS state: the OpenSSL contexts of its ssl.SSLContexts."""
+    cdef tcp_domain* d
+    cdef readonly object contexts          # the SSLContexts, alive as long as the Fabric
+
+    def __dealloc__(self):
+        self.close()
+
+    def close(self):
+        if self.d != NULL:
+            tcp_domain_unref(self.d)
+            self.d = NULL
+
+
+def _tls_error(what, side, domain):
+    from fabric.errors import FabricError
+    if (<TcpDomain>domain).d == NULL:
+        return FabricError("the Fabric is closed")
+    return FabricError(f"cannot {what}: this Fabric's ssl contexts include no {side} context "
+                       f"(ssl.PROTOCOL_TLS_{side.upper()}); pass ssl=(server_context, client_context)")
 
 
 cdef class TcpBackend(Backend):
@@ -713,8 +838,43 @@ cdef class TcpBackend(Backend):
     def available():
         return True, "sockets are always available"
 
+    def open_domain_tls(self, dict options, ssl):
+        """Fabric("tcp", ssl=context or (server_context, client_context)):
+        listeners use the server context, connects the client context."""
+        from fabric.errors import BackendUnavailable
+        try:
+            from fabric.backends import tls
+        except ImportError as e:
+            raise BackendUnavailable(f"TLS is unavailable: fabric was built without OpenSSL's headers "
+                                     f"(apt install libssl-dev, then rebuild): {e}") from None
+        contexts = list(ssl) if isinstance(ssl, (list, tuple)) else [ssl]
+        dom = TcpDomain.__new__(TcpDomain)
+        cdef tcp_domain* d = <tcp_domain*>calloc(1, sizeof(tcp_domain))
+        if d == NULL:
+            raise MemoryError()
+        d.refs = 1
+        d.ops = <fab_tls_ops*>PyCapsule_GetPointer(tls.ops(), b"fabric.backends.tls.ops")
+        (<TcpDomain>dom).d = d                 # from here on, close() releases what is taken
+        (<TcpDomain>dom).contexts = tuple(contexts)
+        for ctx in contexts:
+            pointer, server, client, check = tls.context(ctx)
+            if server and d.server_ctx == NULL:
+                d.server_ctx = <void*><uintptr_t>pointer
+            elif client and d.client_ctx == NULL:
+                d.client_ctx = <void*><uintptr_t>pointer
+                d.check_hostname = check
+            else:
+                d.ops.ctx_free(<void*><uintptr_t>pointer)
+                raise ValueError("ssl=: give one server and at most one client context "
+                                 "(ssl.PROTOCOL_TLS_SERVER, ssl.PROTOCOL_TLS_CLIENT)")
+        return dom
+
     cdef fab_listener* listen(self, object domain, str host, int port, dict options) except NULL:
-        cdef tcp_lst* l = <tcp_lst*>calloc(1, sizeof(tcp_lst))
+        cdef tcp_lst* l
+        cdef tcp_domain* d = (<TcpDomain>domain).d if domain is not None else NULL
+        if domain is not None and (d == NULL or d.server_ctx == NULL):
+            raise _tls_error("listen with TLS", "server", domain)
+        l = <tcp_lst*>calloc(1, sizeof(tcp_lst))
         if l == NULL:
             raise MemoryError()
         try:
@@ -727,20 +887,19 @@ cdef class TcpBackend(Backend):
         l.base.close = tcp_close_listener
         l.user_timeout_ms = int(options.get("tcp_user_timeout_ms", 30000))
         l.keepalive_s = int(options.get("tcp_keepalive_s", 10))
+        if d != NULL:
+            domain_ref(&d.refs)
+            l.tls = d
         return &l.base
 
     cdef int prepare_attach(self, object domain, dict options, fab_attach* out) except -1:
+        cdef tcp_domain* d = (<TcpDomain>domain).d if domain is not None else NULL
+        if domain is not None and (d == NULL or d.client_ctx == NULL):
+            raise _tls_error("connect with TLS", "client", domain)
         out.attach = tcp_attach
-        out.domain = NULL
+        out.domain = d
         out.recv_depth = recv_depth_for(options)
         return 0
-
-
-cdef fab_channel* tcp_attach(void* domain, int fd, size_t max_recv, uint32_t recv_depth) noexcept nogil:
-    cdef fab_channel* ch = new_channel(fd, max_recv)
-    if ch == NULL:
-        close(fd)
-    return ch
 
 
 # ------------------------------------------------------------- fuzzing hook

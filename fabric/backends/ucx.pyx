@@ -990,7 +990,8 @@ cdef void ucx_close(fab_channel* fch) noexcept nogil:
 
 # ------------------------------------------------------------- set-up
 
-cdef fab_channel* new_channel(void* domain, int sock, size_t max_recv, uint32_t recv_depth) noexcept nogil:
+cdef fab_channel* new_channel(void* domain, int sock, size_t max_recv, uint32_t recv_depth,
+                              const char* host) noexcept nogil:
     """A channel in bootstrap on a connected socket (it attaches dialled ones
     and the listener's); NULL, sock closed, if none can be made."""
     cdef ucx_domain* d = <ucx_domain*>domain

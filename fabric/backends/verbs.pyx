@@ -483,7 +483,8 @@ cdef void vb_close(fab_channel* fch) noexcept nogil:
 
 # ----------------------------------------------------------------- set-up
 
-cdef fab_channel* new_channel(void* domain, int sock, size_t max_recv, uint32_t depth) noexcept nogil:
+cdef fab_channel* new_channel(void* domain, int sock, size_t max_recv, uint32_t depth,
+                              const char* host) noexcept nogil:
     """A channel in bootstrap on a connected socket (dialled or accepted); a
     failed one if its resources cannot be had; NULL, sock closed, if none."""
     cdef vb_domain* d = <vb_domain*>domain

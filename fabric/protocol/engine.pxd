@@ -227,6 +227,7 @@ cdef struct auth_t:
     void* attach                # fab_attach_fn
     void* attach_domain
     uint32_t recv_depth
+    char host[256]              # the name connected to (TLS host name checks)
 
 cdef struct lst_t:
     node_t node

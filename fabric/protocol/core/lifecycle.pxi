@@ -24,8 +24,8 @@ cdef void ep_channel_failed(ep_t* ep) noexcept nogil:
     if ep.peer_closed:
         # The peer said goodbye; its closing the connection is expected.
         ep_fail(ep, ESHUTDOWN_, "connection closed by peer")
-    elif err == EPROTO:
-        ep_fail(ep, EPROTO, ep.ch.error)
+    elif err == EPROTO or err == EKEYREJECTED_:
+        ep_fail(ep, err, ep.ch.error)        # a TLS certificate refused: AuthenticationError
     else:
         ep_fail(ep, ECONNRESET, ep.ch.error)
 

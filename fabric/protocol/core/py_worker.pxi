@@ -122,7 +122,7 @@ cdef class Worker:
     cdef public object aio_waiters  # fabric.aio: coroutines waiting on it, all loops
     cdef object __weakref__
 
-    def __cinit__(self, Backend backend not None, dict options not None, auth_key=None):
+    def __cinit__(self, Backend backend not None, dict options not None, auth_key=None, ssl=None):
         cdef pthread_condattr_t ca
         cdef epoll_event ev
         cdef const unsigned char[::1] key
@@ -163,7 +163,7 @@ cdef class Worker:
         ev.events = EPOLLIN
         ev.data.u64 = WAKE_KEY
         epoll_ctl(self.w.epfd, EPOLL_CTL_ADD, self.w.wake_fd, &ev)
-        self.domain = backend.open_domain(self.options)
+        self.domain = backend.open_domain(self.options) if ssl is None else backend.open_domain_tls(self.options, ssl)
         self.w.hub = backend.hub(self.domain)
         if self.w.hub != NULL:
             ev.events = EPOLLIN
@@ -566,7 +566,7 @@ cdef class Worker:
         (<Listener>lst).key = l.node.key
         return lst
 
-    cdef ep_t* _attach_fd(self, int fd, int* why, bint authenticate=True) except? NULL:
+    cdef ep_t* _attach_fd(self, int fd, int* why, bint authenticate=True, str host=None) except? NULL:
         """An endpoint on a connected socket: authenticating the peer (its
         channel is built once that passed), or (authenticate=False, the
         in-memory fabric) in HANDSHAKE state with HELLO sent. NULL with
@@ -581,6 +581,9 @@ cdef class Worker:
         except BaseException:
             close(fd)
             raise
+        if host:
+            name = host.encode()[:255]
+            memcpy(a.host, <char*>name, len(name))
         with nogil:
             alock(self.w)
             if self.w.closed:
@@ -592,7 +595,7 @@ cdef class Worker:
                 if authenticate:
                     ep = ep_create_gated(self.w, fd, ROLE_CONNECTOR, &a, NULL)
                 else:
-                    ch = a.attach(a.domain, fd, max_recv, a.recv_depth)
+                    ch = a.attach(a.domain, fd, max_recv, a.recv_depth, a.host)
                     if ch != NULL:
                         ep = ep_create(self.w, ch)
                 why[0] = ENOMEM
@@ -632,7 +635,7 @@ cdef class Worker:
             raise _errors.Timeout(str(e)) from None
         except OSError as e:
             raise _errors.ConnectionLost(f"cannot connect to {host}:{port}: {e.strerror or e}") from None
-        ep = self._attach_fd(fd, &why)
+        ep = self._attach_fd(fd, &why, True, host)
         if ep == NULL:
             if why == ESHUTDOWN_:
                 raise _errors.ConnectionClosed("the Fabric is closed")
@@ -664,7 +667,7 @@ cdef class Worker:
             raise connect_error(err, f"connect to {host}:{port}", error.decode(errors="replace"))
         return make_endpoint(self, ep)
 
-    def _attach_connected(self, int fd, bint authenticate=True):
+    def _attach_connected(self, int fd, bint authenticate=True, str host=None):
         """fabric.aio: an Endpoint, still in its handshake, on a socket the
         event loop connected (owns fd). authenticate=False: the in-memory
         test fabric, whose "socket" is an eventfd."""
@@ -672,7 +675,7 @@ cdef class Worker:
         cdef ep_t* ep
         self._check()
         self.backend._tune(fd, self.options)
-        ep = self._attach_fd(fd, &why, authenticate)
+        ep = self._attach_fd(fd, &why, authenticate, host)
         if ep == NULL:
             if why == ESHUTDOWN_:
                 raise _errors.ConnectionClosed("the Fabric is closed")
