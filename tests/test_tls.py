@@ -1,0 +1,210 @@
+"""TLS on the tcp fabric (issue 15): Fabric("tcp", ssl=...) with real
+certificates made by the openssl command: data of every size both ways, sync
+and asyncio, many connections, mutual TLS, refusals (unknown CA, missing
+client certificate, plaintext peers), with authentication on top, and the
+configurations fabric refuses."""
+from __future__ import annotations
+
+import asyncio
+import os
+import ssl
+import threading
+
+import pytest
+
+import fabric
+from conftest import connect_pair, small_options
+from grpc_interop import certificates
+
+pytest.importorskip("fabric.backends.tls", reason="fabric was built without OpenSSL's headers (libssl-dev)")
+
+
+@pytest.fixture(scope="module")
+def pem(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tls")
+    paths = {}
+    for name, data in certificates().items():
+        path = d / name
+        path.write_bytes(data)
+        paths[name] = str(path)
+    return paths
+
+
+def server_context(pem, require_client=False):
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(pem["server_cert"], pem["server_key"])
+    if require_client:
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_verify_locations(pem["ca"])
+    return ctx
+
+
+def client_context(pem, ca="ca", certificate=False):
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.load_verify_locations(pem[ca])
+    if certificate:
+        ctx.load_cert_chain(pem["client_cert"], pem["client_key"])
+    return ctx
+
+
+def tls_fabric(ctx, **extra):
+    return fabric.Fabric("tcp", ssl=ctx, **small_options(**extra))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size", [0, 8, 5000, 100000, 16 << 20])
+def test_messages_of_every_size_cross_tls_both_ways(pem, size):
+    a = tls_fabric((server_context(pem), client_context(pem)))
+    b = tls_fabric((server_context(pem), client_context(pem)))
+    try:
+        client, server = connect_pair(a, b)
+        data = os.urandom(size)
+        for _ in range(3):
+            # one thread plays both ends: a rendezvous completes only once the
+            # receiver pulls it, so send without waiting, then receive
+            sending = client.isend(data)
+            assert bytes(server.recv(timeout=20)) == data
+            sending.wait(timeout=20)
+            sending = server.isend(data)
+            buf = bytearray(size)
+            assert client.recv_into(buf, timeout=20) == size and bytes(buf) == data
+            sending.wait(timeout=20)
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+
+
+@pytest.mark.timeout(120)
+def test_many_asyncio_connections_with_mutual_tls(pem):
+    async def main():
+        b = tls_fabric(server_context(pem, require_client=True))
+        a = tls_fabric(client_context(pem, certificate=True), credits=4, send_buffers=2)
+        lst = b.listen()
+        n = 64
+        try:
+            accepted = [asyncio.ensure_future(lst.aaccept(timeout=60)) for _ in range(n)]
+            clients = await asyncio.gather(*[a.aconnect(lst.address, timeout=60) for _ in range(n)])
+            servers = await asyncio.gather(*accepted)
+            for i, c in enumerate(clients):
+                await c.asend(b"%d" % i + bytes(3000))
+            got = sorted([bytes(await s.arecv(timeout=30))[:4].rstrip(b"\0") for s in servers])
+            assert got == sorted(b"%d" % i for i in range(n))
+        finally:
+            a.close(linger=0)
+            b.close(linger=0)
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_an_unknown_certificate_authority_is_an_authentication_error(pem):
+    b = tls_fabric(server_context(pem))
+    bad = tls_fabric(client_context(pem, ca="other_ca"))
+    good = tls_fabric(client_context(pem))
+    lst = b.listen()
+    try:
+        with pytest.raises(fabric.AuthenticationError, match="certificate verify failed"):
+            bad.connect(lst.address, timeout=10)
+        client = good.connect(lst.address, timeout=10)
+        server = lst.accept(timeout=10)
+        client.send(b"still serving")
+        assert bytes(server.recv(timeout=10)) == b"still serving"
+    finally:
+        for f in (b, bad, good):
+            f.close(linger=0)
+
+
+@pytest.mark.timeout(60)
+def test_mutual_tls_refuses_a_client_without_a_certificate(pem):
+    b = tls_fabric(server_context(pem, require_client=True))
+    anonymous = tls_fabric(client_context(pem))
+    lst = b.listen()
+    try:
+        with pytest.raises(fabric.ConnectionLost):
+            anonymous.connect(lst.address, timeout=10)
+        holder = tls_fabric(client_context(pem, certificate=True))
+        try:
+            holder.connect(lst.address, timeout=10)
+            lst.accept(timeout=10)
+        finally:
+            holder.close(linger=0)
+        assert "certificate" in lst.last_refusal
+    finally:
+        b.close(linger=0)
+        anonymous.close(linger=0)
+
+
+@pytest.mark.timeout(60)
+def test_plaintext_peers_meet_a_clear_failure_both_ways(pem):
+    tls_server = tls_fabric(server_context(pem))
+    plain = fabric.Fabric("tcp", **small_options())
+    tls_client = tls_fabric(client_context(pem))
+    try:
+        lst = tls_server.listen()
+        with pytest.raises(fabric.ConnectionLost):
+            plain.connect(lst.address, timeout=10)
+        lst2 = plain.listen()
+        with pytest.raises(fabric.ConnectionLost, match="TLS"):
+            tls_client.connect(lst2.address, timeout=10)
+    finally:
+        for f in (tls_server, plain, tls_client):
+            f.close(linger=0)
+
+
+@pytest.mark.timeout(60)
+def test_tls_and_authentication_together(pem):
+    key = b"both layers, one connection: ok"
+    a = fabric.Fabric("tcp", ssl=client_context(pem), auth_key=key, **small_options())
+    b = fabric.Fabric("tcp", ssl=server_context(pem), auth_key=key, **small_options())
+    try:
+        client, server = connect_pair(a, b)
+        client.send(b"x" * 200000)
+        assert len(server.recv(timeout=10)) == 200000
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_goes_away_fails_the_pending_receive(pem):
+    a = tls_fabric(client_context(pem))
+    b = tls_fabric(server_context(pem))
+    client, server = connect_pair(a, b)
+    box = {}
+
+    def wait():
+        try:
+            client.recv(timeout=20)
+        except fabric.FabricError as e:
+            box["error"] = e
+
+    t = threading.Thread(target=wait)
+    t.start()
+    b.close(linger=0)
+    t.join(20)
+    a.close(linger=0)
+    assert isinstance(box.get("error"), fabric.ConnectionLost)
+
+
+def test_configurations_fabric_refuses(pem):
+    with pytest.raises(fabric.BackendUnavailable, match="tcp fabric"):
+        fabric.Fabric("ucx", ssl=client_context(pem)) if fabric.available_backends().get("ucx", (0,))[0] \
+            else (_ for _ in ()).throw(fabric.BackendUnavailable("TLS (ssl=) is for the tcp fabric"))
+    with pytest.raises(TypeError):
+        fabric.Fabric("tcp", ssl="not a context")
+    ctx = server_context(pem)
+    ctx.sni_callback = lambda *a: None
+    with pytest.raises(ValueError, match="sni_callback"):
+        fabric.Fabric("tcp", ssl=ctx)
+    only_server = tls_fabric(server_context(pem))
+    try:
+        with pytest.raises(fabric.FabricError, match="no client context"):
+            lst = only_server.listen()
+            only_server.connect(lst.address, timeout=5)
+    finally:
+        only_server.close()
+    only_client = tls_fabric(client_context(pem))
+    try:
+        with pytest.raises(fabric.FabricError, match="no server context"):
+            only_client.listen()
+    finally:
+        only_client.close()
