@@ -1,7 +1,8 @@
 """Server side of every contender in bench/p2p.py, one per process:
     python bench/servers.py KIND   (prints its address, then serves)
-KIND: fabric-<backend>, socket, grpc, zmq. Echo for ping-pong, sink with a
-final 1-byte acknowledgement for streaming."""
+KIND: fabric-<backend>, socket, grpc, zmq; fabric-tcp-tls and socket-tls
+(certificate and key from $FABRIC_BENCH_TLS_DIR/server_cert, server_key).
+Echo for ping-pong, sink with a final 1-byte acknowledgement for streaming."""
 import os
 import socket
 import struct
@@ -13,9 +14,17 @@ MAX = 64 << 20
 HDR = struct.Struct("<QB")      # raw socket framing: length, mode (0 echo, 1 sink, 2 ack)
 
 
-def serve_fabric(backend):
+def tls_server_context():
+    import ssl
+    d = os.environ["FABRIC_BENCH_TLS_DIR"]
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(os.path.join(d, "server_cert"), os.path.join(d, "server_key"))
+    return ctx
+
+
+def serve_fabric(backend, tls=False):
     import fabric
-    fab = fabric.Fabric(backend)
+    fab = fabric.Fabric(backend, ssl=tls_server_context()) if tls else fabric.Fabric(backend)
     lst = fab.listen("127.0.0.1:0")
     print(lst.address, flush=True)
     buf = bytearray(MAX)
@@ -47,7 +56,8 @@ def recv_exact(sock, view, n):
         got += r
 
 
-def serve_socket():
+def serve_socket(tls=False):
+    ctx = tls_server_context() if tls else None
     lst = socket.socket()
     lst.bind(("127.0.0.1", 0))
     lst.listen()
@@ -57,12 +67,16 @@ def serve_socket():
     while True:
         conn, _ = lst.accept()
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if ctx is not None:
+            conn = ctx.wrap_socket(conn, server_side=True)
         try:
             while True:
                 recv_exact(conn, view, HDR.size)
                 n, mode = HDR.unpack_from(buf)
                 recv_exact(conn, view, n)
-                if mode == 0:
+                if mode == 0 and ctx is not None:      # an SSLSocket has no sendmsg
+                    conn.sendall(HDR.pack(n, 0) + view[:n])
+                elif mode == 0:
                     conn.sendmsg([HDR.pack(n, 0), view[:n]])
                 elif mode == 2:
                     conn.sendall(b"k")
@@ -124,7 +138,11 @@ def serve_zmq():
 
 if __name__ == "__main__":
     kind = sys.argv[1]
-    if kind.startswith("fabric-"):
+    if kind == "fabric-tcp-tls":
+        serve_fabric("tcp", tls=True)
+    elif kind.startswith("fabric-"):
         serve_fabric(kind.split("-", 1)[1])
+    elif kind == "socket-tls":
+        serve_socket(tls=True)
     else:
         {"socket": serve_socket, "grpc": serve_grpc, "zmq": serve_zmq}[kind]()

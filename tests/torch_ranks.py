@@ -504,8 +504,9 @@ def default():
                             world_size=WORLD, timeout=datetime.timedelta(seconds=60))
     check(dist.get_backend() == "fabric", f"the default group runs {dist.get_backend()}")
     if os.environ.get("FABRIC_AUTH_KEY"):
-        group = dist.group.WORLD._get_backend(torch.device("cpu"))
-        check(group._fabric.authenticated, "FABRIC_AUTH_KEY is set, but the group's Fabric does not authenticate")
+        groups = [o for o in gc.get_objects() if type(o).__name__ == "FabricProcessGroup"]
+        check(len(groups) == 1 and groups[0]._fabric.authenticated,
+              f"FABRIC_AUTH_KEY is set, but the group's Fabric does not authenticate ({groups})")
     threads = len(os.listdir("/proc/self/task"))
     t = torch.full((1000,), float(RANK + 1))
     dist.all_reduce(t)
