@@ -105,7 +105,7 @@ def test_peers_holding_the_key_connect_and_move_data(backend_name):
 @pytest.mark.parametrize("client_key,server_key,client_says,server_says", [
     (KEY, None, "peer has no key", "this Fabric has no key"),
     (None, KEY, "this Fabric has no key", "peer has no key"),
-    (KEY, OTHER, "refused by the peer", "does not hold this Fabric's key"),
+    (KEY, OTHER, "refused or dropped by the peer", "does not hold this Fabric's key"),
 ], ids=["listener-without-key", "client-without-key", "wrong-key"])
 def test_a_peer_without_the_key_is_refused_on_both_sides(backend_name, client_key, server_key,
                                                          client_says, server_says):
@@ -478,3 +478,128 @@ def test_the_environment_key_protects_streams_and_the_default_fabric(backend_nam
     r = subprocess.run([sys.executable, "-c", code, backend_name], capture_output=True, text=True,
                        timeout=100, env=env)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_strangers_with_a_preamble_but_no_key_give_way_too(backend_name):
+    """A full table of strangers that send a valid preamble (no secret needed)
+    and then never their MAC: they give way (after four grace periods), so a
+    client holding the key still gets in."""
+    b = make(backend_name, KEY, max_pending_handshakes=8)
+    good = make(backend_name, KEY)
+    lst = b.listen()
+    strangers = []
+    try:
+        for _ in range(16):
+            s = raw_connect(lst.address)
+            s.sendall(preamble(CONNECTOR, True, b.name))
+            strangers.append(s)
+        client = good.connect(lst.address, timeout=15)
+        server = lst.accept(timeout=15)
+        roundtrip(client, server)
+        assert lst.evicted >= 1
+    finally:
+        for s in strangers:
+            s.close()
+        b.close(linger=0)
+        good.close(linger=0)
+
+
+def cpu_seconds_of_a_process_while(code, backend_name, seconds=1.0):
+    """Run code in a fresh interpreter; it prints 'ready' once its listener
+    faces the situation, then idles; return the CPU it spent in the next
+    `seconds` (a busy loop spends them all)."""
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), backend_name],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+    try:
+        line = proc.stdout.readline().strip()
+        if not line.startswith("ready"):
+            proc.wait(10)
+            raise AssertionError(f"the script did not get ready: {proc.stderr.read()[-2000:]}")
+        with open(f"/proc/{proc.pid}/stat") as f:
+            before = sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13])
+        time.sleep(seconds)
+        with open(f"/proc/{proc.pid}/stat") as f:
+            after = sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13])
+        return (after - before) / os.sysconf("SC_CLK_TCK"), line
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.timeout(60)
+def test_a_listener_out_of_descriptors_waits_instead_of_spinning():
+    """accept() failing with EMFILE leaves the connection in the backlog and
+    the socket readable: the listener looks again 50 ms later, not at once."""
+    code = """
+        import os, resource, socket, sys, time, fabric
+        fab = fabric.Fabric("tcp")
+        lst = fab.listen()
+        host, port = lst.address.rsplit(":", 1)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+        clients = [socket.socket() for _ in range(3)]
+        hog = []
+        try:
+            while True:
+                hog.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            pass
+        for c in clients:                           # the kernel completes them; accept() cannot
+            c.connect((host, int(port)))
+        time.sleep(0.2)
+        print("ready", flush=True)
+        time.sleep(30)
+    """
+    cpu, _ = cpu_seconds_of_a_process_while(code, "tcp")
+    assert cpu < 0.3, f"the listener spent {cpu:.2f} s of CPU in 1 s out of descriptors"
+
+
+@pytest.mark.timeout(60)
+def test_a_tls_handshake_that_stalls_does_not_spin():
+    """A peer that passes the preamble and then never starts TLS: the
+    listener waits for its bytes instead of polling a writable socket."""
+    pytest.importorskip("fabric.backends.tls", reason="fabric was built without OpenSSL's headers")
+    code = f"""
+        import os, socket, ssl, sys, time, fabric
+        sys.path.insert(0, {os.path.join(ROOT, "tests")!r})
+        from grpc_interop import certificates
+        import tempfile
+        d = tempfile.mkdtemp()
+        for k, v in certificates().items():
+            open(os.path.join(d, k), "wb").write(v)
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(os.path.join(d, "server_cert"), os.path.join(d, "server_key"))
+        fab = fabric.Fabric("tcp", ssl=ctx)
+        lst = fab.listen()
+        host, port = lst.address.rsplit(":", 1)
+        s = socket.create_connection((host, int(port)))
+        s.sendall(b"FBAU" + bytes([1, 0, 0, 0]) + b"tcp".ljust(8, b"\\0") + os.urandom(32))
+        assert len(s.recv(48)) == 48
+        print("ready", flush=True)
+        time.sleep(30)
+    """
+    cpu, _ = cpu_seconds_of_a_process_while(code, "tcp")
+    assert cpu < 0.3, f"a stalled TLS handshake made the listener spend {cpu:.2f} s of CPU in 1 s"
+
+
+def test_a_worker_refusing_its_key_closes_no_descriptor_it_does_not_own():
+    code = """
+        import os, sys, fabric
+        from fabric.protocol.engine import Worker
+        from fabric import backends, options
+        be = backends.get("tcp")
+        r, w = os.pipe()
+        os.dup2(r, 0)
+        for _ in range(3):
+            try:
+                Worker(be, options.resolve("tcp", be.default_options(), {}), b"short")
+            except ValueError:
+                pass
+        os.fstat(0)
+        print("ok")
+    """
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                       timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

@@ -119,7 +119,7 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(pem):
     anonymous = tls_fabric(client_context(pem))
     lst = b.listen()
     try:
-        with pytest.raises(fabric.ConnectionLost):
+        with pytest.raises(fabric.AuthenticationError, match="certificate"):
             anonymous.connect(lst.address, timeout=10)
         holder = tls_fabric(client_context(pem, certificate=True))
         try:

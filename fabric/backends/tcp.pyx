@@ -134,7 +134,7 @@ cdef void tls_failed(tcp_chan* c, const char* text) noexcept nogil:
     AuthenticationError); errno stays for the caller."""
     cdef int err = errno
     if not c.base.failed:
-        c.base.failed = err if err == EKEYREJECTED_ else EPROTO
+        c.base.failed = err if err in (EKEYREJECTED_, ECONNRESET, EPIPE) else EPROTO
         snprintf(c.base.error, FAB_ERROR_TEXT, "%s", text)
     set_errno(err)
 
@@ -295,7 +295,7 @@ cdef int tcp_send_msg(fab_channel* ch, iovec* iov, fab_mr** mrs, int iovcnt, uin
     cdef tcp_send* s
     if ch.failed:
         return -ch.failed
-    if iovcnt > MAX_IOV:
+    if iovcnt >= MAX_IOV:         # with the header: at most MAX_IOV entries (flush_sends' limit)
         return -EINVAL
     for i in range(iovcnt):
         total += iov[i].iov_len
@@ -682,7 +682,9 @@ cdef int tcp_arm(fab_channel* ch, uint32_t* events) noexcept nogil:
     if c.tls != NULL:
         if c.tls_ops.pending(c.tls):
             return 1              # decrypted bytes wait in the session, not in the socket
-        events[0] = EPOLLIN | (EPOLLOUT if c.sq_head != NULL or c.tls_ops.want_write(c.tls) else 0)
+        # queued data waits for the handshake: until then only the session's wants count
+        events[0] = EPOLLIN | (EPOLLOUT if c.tls_ops.want_write(c.tls) or
+                               (c.sq_head != NULL and c.tls_ops.handshaken(c.tls)) else 0)
         return 0
     events[0] = EPOLLIN | (EPOLLOUT if c.sq_head != NULL else 0)
     return 0
@@ -858,7 +860,11 @@ cdef class TcpBackend(Backend):
         (<TcpDomain>dom).contexts = tuple(contexts)
         for ctx in contexts:
             pointer, server, client, check = tls.context(ctx)
-            if server and d.server_ctx == NULL:
+            if server and client and d.server_ctx == NULL and d.client_ctx == NULL and len(contexts) == 1:
+                d.server_ctx = <void*><uintptr_t>pointer        # a generic context plays both roles
+                d.client_ctx = <void*><uintptr_t>tls.context(ctx)[0]
+                d.check_hostname = check
+            elif server and d.server_ctx == NULL:
                 d.server_ctx = <void*><uintptr_t>pointer
             elif client and d.client_ctx == NULL:
                 d.client_ctx = <void*><uintptr_t>pointer

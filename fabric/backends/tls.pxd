@@ -17,6 +17,9 @@ cdef struct fab_tls_ops:
     Py_ssize_t (*recv)(void* tls, char* buf, size_t n, char* error, size_t error_len) noexcept nogil
     # Decrypted bytes are buffered: poll now, the socket will not say so.
     int (*pending)(void* tls) noexcept nogil
+    # The handshake is through: queued data can go (until then only the
+    # session's own wants count).
+    int (*handshaken)(void* tls) noexcept nogil
     # The session waits for the socket to be writable (a handshake or a
     # record in flight), whichever direction the caller wanted.
     int (*want_write)(void* tls) noexcept nogil

@@ -58,6 +58,14 @@ cdef extern from "<openssl/ssl.h>" nogil:
     int SSL_write(SSL* s, const void* buf, int num)
     int SSL_get_error(const SSL* s, int ret)
     int SSL_pending(const SSL* s)
+    void SSL_set_msg_callback(SSL* s, void* cb)
+    void* SSL_CTX_get_keylog_callback(const SSL_CTX* ctx)
+    ctypedef struct SSL_METHOD:
+        pass
+    const SSL_METHOD* SSL_CTX_get_ssl_method(const SSL_CTX* ctx)
+    const SSL_METHOD* TLS_method()
+    const SSL_METHOD* TLS_server_method()
+    const SSL_METHOD* TLS_client_method()
     int SSL_shutdown(SSL* s)
     long SSL_get_verify_result(const SSL* s)
     long SSL_set_tlsext_host_name(SSL* s, const char* name)
@@ -88,6 +96,8 @@ cdef extern from "<openssl/x509v3.h>" nogil:
 cdef extern from "<openssl/err.h>" nogil:
     void ERR_clear_error()
     unsigned long ERR_get_error()
+    unsigned long ERR_peek_error()
+    int ERR_GET_REASON(unsigned long e)
     void ERR_error_string_n(unsigned long e, char* buf, size_t len)
 
 # CPython's ssl.SSLContext object starts with its OpenSSL context (checked
@@ -101,13 +111,20 @@ cdef extern from *:
 
 cdef enum:
     EKEYREJECTED_ = 129
-    GATHER = 16384                 # one TLS record's worth of small pieces, sent as one
+    GATHER = 16384
+    # OpenSSL's reasons for alerts that say the peer refused a certificate
+    R_BAD_CERTIFICATE = 1042            # SSL_R_SSLV3_ALERT_BAD_CERTIFICATE
+    R_CERTIFICATE_UNKNOWN = 1046        # SSL_R_SSLV3_ALERT_CERTIFICATE_UNKNOWN
+    R_UNKNOWN_CA = 1048                 # SSL_R_TLSV1_ALERT_UNKNOWN_CA
+    R_CERTIFICATE_REQUIRED = 1116       # SSL_R_TLSV13_ALERT_CERTIFICATE_REQUIRED
+    R_NO_CERTIFICATE_RETURNED = 199     # SSL_R_PEER_DID_NOT_RETURN_A_CERTIFICATE                 # one TLS record's worth of small pieces, sent as one
 
 
 cdef struct tls_session:
     SSL* ssl
     int handshaken
     int want_write
+    int failed                     # a fatal error: no close_notify (OpenSSL forbids it then)
     char* gather
 
 
@@ -135,6 +152,11 @@ cdef void* tls_start(void* ssl_ctx, int fd, int server, const char* host, int ch
         snprintf(error, error_len, "TLS: out of memory")
         return NULL
     ERR_clear_error()
+    if SSL_CTX_get_keylog_callback(<SSL_CTX*>ssl_ctx) != NULL:
+        # set on the SSLContext after the Fabric took it: it would call Python from our threads
+        snprintf(error, error_len, "TLS: the SSLContext gained a keylog_filename after the Fabric took it")
+        free(t)
+        return NULL
     t.gather = <char*>malloc(GATHER)
     t.ssl = SSL_new(<SSL_CTX*>ssl_ctx)
     if t.gather == NULL or t.ssl == NULL or SSL_set_fd(t.ssl, fd) != 1:
@@ -142,6 +164,7 @@ cdef void* tls_start(void* ssl_ctx, int fd, int server, const char* host, int ch
         tls_free(t)
         return NULL
     SSL_set_mode(t.ssl, SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER)
+    SSL_set_msg_callback(t.ssl, NULL)      # a _msg_callback set later on the context calls Python
     # a peer that dies without close_notify is a closed connection, not an error
     SSL_set_options(t.ssl, SSL_OP_IGNORE_UNEXPECTED_EOF)
     if server:
@@ -170,7 +193,7 @@ cdef int failure(tls_session* t, int ret, const char* what, char* error, size_t 
     """Classify a non-positive OpenSSL result: 0 (wait; errno EAGAIN),
     1 (the peer ended the session), -1 (failed; errno and error set)."""
     cdef int e = SSL_get_error(t.ssl, ret)
-    cdef int verified
+    cdef int verified, reason, err
     if e == SSL_ERROR_WANT_READ:
         t.want_write = 0
         set_errno(EAGAIN)
@@ -181,15 +204,21 @@ cdef int failure(tls_session* t, int ret, const char* what, char* error, size_t 
         return 0
     if e == SSL_ERROR_ZERO_RETURN:
         return 1
-    if e == SSL_ERROR_SYSCALL and ERR_get_error() == 0:
+    t.failed = 1
+    if e == SSL_ERROR_SYSCALL and ERR_peek_error() == 0:
         if errno == 0:
             return 1
-        snprintf(error, error_len, "%s: the connection failed (errno %d)", what, errno)
+        err = errno                          # a reset or a broken pipe stays one (ConnectionLost)
+        snprintf(error, error_len, "%s: the connection failed (errno %d)", what, err)
+        set_errno(err)
         return -1
     verified = SSL_get_verify_result(t.ssl) == X509_V_OK
+    reason = ERR_GET_REASON(ERR_peek_error())
     describe(t.ssl, what, error, error_len)
-    # a certificate refused: an authentication failure (AuthenticationError)
-    set_errno(EPROTO if verified else EKEYREJECTED_)
+    # a certificate refused, ours by the peer or the peer's by us: an
+    # authentication failure (AuthenticationError)
+    set_errno(EKEYREJECTED_ if not verified or reason in (R_BAD_CERTIFICATE, R_CERTIFICATE_UNKNOWN, R_UNKNOWN_CA,
+                                                                    R_CERTIFICATE_REQUIRED, R_NO_CERTIFICATE_RETURNED) else EPROTO)
     return -1
 
 
@@ -282,12 +311,16 @@ cdef int tls_want_write(void* tp) noexcept nogil:
     return (<tls_session*>tp).want_write
 
 
+cdef int tls_handshaken(void* tp) noexcept nogil:
+    return (<tls_session*>tp).handshaken
+
+
 cdef void tls_free(void* tp) noexcept nogil:
     cdef tls_session* t = <tls_session*>tp
     if t == NULL:
         return
     if t.ssl != NULL:
-        if t.handshaken:
+        if t.handshaken and not t.failed:
             ERR_clear_error()
             SSL_shutdown(t.ssl)          # close_notify, best effort (non-blocking)
         SSL_free(t.ssl)
@@ -306,6 +339,7 @@ OPS.sendv = tls_sendv
 OPS.recv = tls_recv
 OPS.pending = tls_pending
 OPS.want_write = tls_want_write
+OPS.handshaken = tls_handshaken
 OPS.free = tls_free
 OPS.ctx_free = tls_ctx_free
 
@@ -331,6 +365,11 @@ def context(ctx):
             raise ValueError(f"this SSLContext sets {why}, which would call into Python from fabric's "
                              f"own threads; use a context without it")
     cdef SSL_CTX* raw = (<fab_pysslcontext*><void*>ctx).ctx
+    cdef const SSL_METHOD* method = SSL_CTX_get_ssl_method(raw) if raw != NULL else NULL
+    if method != TLS_method() and method != TLS_server_method() and method != TLS_client_method():
+        raise ValueError("this Python's ssl module runs another copy of OpenSSL than the one fabric "
+                         "was built against (a statically linked Python?): TLS on the tcp fabric "
+                         "cannot share its contexts")
     if raw == NULL or SSL_CTX_get_options(raw) != <uint64_t>int(ctx.options) \
             or SSL_CTX_get_verify_mode(raw) != {ssl.CERT_NONE: 0, ssl.CERT_OPTIONAL: 1,
                                                  ssl.CERT_REQUIRED: 3}[ctx.verify_mode]:

@@ -215,6 +215,7 @@ cdef struct auth_t:
     int role                    # ROLE_CONNECTOR / ROLE_ACCEPTOR
     int stage                   # AS_PREAMBLE, AS_PEER_MAC, AS_SEND_MAC
     int heard                   # bytes received from the peer (0: a silent connection)
+    double answered             # acceptor: when its preamble went into the queue
     double started
     uint8_t ours[48]            # our preamble
     uint8_t theirs[48]          # the peer's preamble
@@ -239,7 +240,8 @@ cdef struct lst_t:
     int npending
     int closed
     int disarmed                # the listening socket is out of the epoll set (table full, or EMFILE)
-    double rearm_at             # ... until then (or until a pending handshake ends)
+    double rearm_at             # ... until then (or, table full, until a pending handshake ends)
+    int out_of_fds              # disarmed because accept() failed (EMFILE): only the time re-arms
     uint64_t refused            # connections refused by authentication
     uint64_t evicted            # pending handshakes dropped to make room for new ones
     char last_refusal[200]

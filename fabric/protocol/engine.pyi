@@ -33,7 +33,8 @@ class Worker:
     loop_users: int
     aio_drivers: Any
     aio_waiters: Any
-    def __new__(cls, backend: Backend, options: dict[str, Any], auth_key: bytes | None = None) -> Self: ...
+    def __new__(cls, backend: Backend, options: dict[str, Any], auth_key: bytes | None = None,
+                ssl: Any = None) -> Self: ...
     @property
     def backend(self) -> Backend: ...
     @property

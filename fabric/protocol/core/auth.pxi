@@ -197,8 +197,9 @@ cdef int auth_io(ep_t* ep, auth_t* a) noexcept nogil:
                 # no answer at all: a busy listener dropped us (connect retries)
                 ep_fail(ep, EAGAIN, "the listener closed the connection before answering (busy, "
                                     "or not a fabric listener)")
-            elif a.stage == AS_PEER_MAC and a.role == ROLE_CONNECTOR:
-                ep_fail(ep, EKEYREJECTED_, "authentication refused by the peer (it holds a different key)")
+            elif a.stage == AS_PEER_MAC and a.role == ROLE_CONNECTOR and r == 0:
+                ep_fail(ep, EKEYREJECTED_, "authentication refused or dropped by the peer (it holds a "
+                                           "different key, or gave up waiting for ours)")
             elif r == 0:
                 ep_fail(ep, ECONNRESET, "the peer closed the connection during authentication")
             else:
@@ -226,6 +227,7 @@ cdef void auth_progress(ep_t* ep) noexcept nogil:
             if a.role == ROLE_ACCEPTOR:
                 # answer even a preamble we refuse: the connector then says why
                 auth_queue(a, a.ours, AUTH_PREAMBLE)
+                a.answered = monotonic_now()
                 if auth_check_preamble(ep, a) < 0:
                     send(a.fd, a.out, a.out_len, MSG_DONTWAIT | MSG_NOSIGNAL)
                     return

@@ -253,14 +253,14 @@ cdef void progress_listener(lst_t* l) noexcept nogil:
         if <uint32_t>l.npending >= l.w.opts.max_pending and not listener_evict(l):
             # every pending handshake is young: accept again once one ends
             # or grows old enough to give way (the sweep re-arms us)
-            listener_disarm(l, listener_next_room(l))
+            listener_disarm(l, listener_next_room(l), 0)
             break
         fd = l.fl.accept(l.fl)
         if fd < 0:
             if fd != -EAGAIN:
                 # out of descriptors (EMFILE) or another error: the socket stays
                 # readable, so look again shortly instead of spinning on it
-                listener_disarm(l, monotonic_now() + 0.05)
+                listener_disarm(l, monotonic_now() + 0.05, 1)
             break
         ep = ep_create_gated(l.w, fd, ROLE_ACCEPTOR, NULL, l)
         if ep == NULL:
@@ -271,8 +271,9 @@ cdef void progress_listener(lst_t* l) noexcept nogil:
         progress_ep(ep)
     listener_sweep(l)
 
-cdef void listener_disarm(lst_t* l, double until) noexcept nogil:
-    """Take the listening socket out of the epoll set until `until`."""
+cdef void listener_disarm(lst_t* l, double until, int out_of_fds) noexcept nogil:
+    """Take the listening socket out of the epoll set until `until` (or,
+    when the table is full, until a pending handshake ends)."""
     cdef epoll_event ev
     if not l.disarmed:
         ev.events = 0
@@ -280,6 +281,7 @@ cdef void listener_disarm(lst_t* l, double until) noexcept nogil:
         epoll_ctl(l.w.epfd, EPOLL_CTL_MOD, l.fl.fd, &ev)
         l.disarmed = 1
     l.rearm_at = until
+    l.out_of_fds = out_of_fds
 
 cdef void listener_rearm(lst_t* l) noexcept nogil:
     cdef epoll_event ev
@@ -291,20 +293,25 @@ cdef void listener_rearm(lst_t* l) noexcept nogil:
 
 cdef inline int evictable(ep_t* ep, double now) noexcept nogil:
     """0: keep; else a rank (lower goes first) for a pending connection that
-    may give way to a new one: only those that have not delivered their
-    preamble within the grace period (silent ones first). The listener has
-    not answered them, so a legitimate but slow client sees its connection
-    end before any answer and retries; a connection past its preamble is
-    never dropped."""
-    if ep.state != EP_AUTH or ep.auth.stage != AS_PREAMBLE or now < handshake_may_give_way(ep):
+    may give way to a new one: those that have not delivered their preamble
+    within the grace period (silent ones first; the listener has not
+    answered them, so a legitimate but slow client sees its connection end
+    unanswered and retries), then those that owe us their MAC four grace
+    periods after our preamble (a stranger can send a preamble, not a MAC).
+    A connection past authentication is never dropped."""
+    if ep.state != EP_AUTH or now < handshake_may_give_way(ep):
         return 0
-    return 1 if ep.auth.heard == 0 else 2
+    if ep.auth.stage == AS_PREAMBLE:
+        return 1 if ep.auth.heard == 0 else 2
+    return 3 if ep.auth.stage == AS_PEER_MAC else 0
 
 cdef inline double handshake_may_give_way(ep_t* ep) noexcept nogil:
     """When a pending connection may be dropped to make room (see evictable);
     for one that never may, when it ends at the latest."""
     if ep.state == EP_AUTH and ep.auth.stage == AS_PREAMBLE:
         return ep.auth.started + EVICT_GRACE
+    if ep.state == EP_AUTH and ep.auth.stage == AS_PEER_MAC:
+        return ep.auth.answered + 4 * EVICT_GRACE
     return ep.hs_deadline
 
 cdef int listener_evict(lst_t* l) noexcept nogil:
@@ -378,7 +385,8 @@ cdef void listener_sweep(lst_t* l) noexcept nogil:
                 snprintf(l.last_refusal, 200, "%s: %s", ep.peer_name, ep.error)
             ep.listener = NULL
             ep_free(ep)
-    if l.disarmed and (now >= l.rearm_at or <uint32_t>l.npending < l.w.opts.max_pending):
+    if l.disarmed and (now >= l.rearm_at or
+                       (not l.out_of_fds and <uint32_t>l.npending < l.w.opts.max_pending)):
         listener_rearm(l)
 
 cdef double next_handshake_deadline(worker_t* w) noexcept nogil:

@@ -63,9 +63,15 @@ cdef class Listener:
     @property
     def last_refusal(self):
         """Who was refused last and why ("" if nobody was)."""
-        if self.l == NULL:
+        cdef char text[200]
+        if self.l == NULL or forked(self.l.w):
             return ""
-        return self.l.last_refusal.decode(errors="replace")
+        with nogil:
+            alock(self.l.w)                 # the engine may be writing it
+            memcpy(text, self.l.last_refusal, 200)
+            wunlock(self.l.w)
+        text[199] = 0
+        return text.decode(errors="replace")
 
     @property
     def _gen(self):

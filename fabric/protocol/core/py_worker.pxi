@@ -132,6 +132,7 @@ cdef class Worker:
         if self.w == NULL:
             raise MemoryError()
         self.w.fork_gen = fork_generation
+        self.w.epfd = self.w.wake_fd = self.w.notify_fd = -1
         name = backend.name.encode()[:8]
         memcpy(self.w.backend_name, <char*>name, len(name))
         if auth_key is not None:
@@ -143,7 +144,6 @@ cdef class Worker:
                 raise MemoryError()
             memcpy(self.w.auth_key, &key[0], key.shape[0])
             self.w.auth_key_len = key.shape[0]
-        self.w.epfd = self.w.wake_fd = self.w.notify_fd = -1
         pthread_mutex_init(&self.w.lock, NULL)
         pthread_condattr_init(&ca)
         pthread_condattr_setclock(&ca, CLOCK_MONOTONIC)
