@@ -202,3 +202,43 @@ def test_forged_or_stale_keys_and_out_of_range_reads_are_refused(served):
     with pytest.raises(fabric.ConnectionLost):
         req.wait(timeout=10)
     assert_listener_works(fab, lst, accepted)
+
+
+@pytest.mark.timeout(60)
+def test_answers_queued_when_a_chunk_is_released_never_send_reused_memory(served):
+    """A peer asks for a chunk many times without reading the answers (our
+    socket fills, answers queue up), then releases it: the message completes
+    and the application reuses its buffer. The answers still queued must
+    carry the chunk as it was offered, never what the memory holds later."""
+    fab, lst, accepted = served
+    raw = RawPeer(lst.address)
+    raw.handshake()
+    deadline = time.monotonic() + 10
+    while not accepted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ep = accepted[0]
+    buf = bytearray(os.urandom(12000))             # above eager_limit, one chunk
+    offered = bytes(buf)
+    req = ep.isend(buf)
+    chunk = None
+    while chunk is None:
+        kind, _, body = raw.read_wire()
+        assert kind == MSG
+        chunk = next((f for f in frame.decode(body) if f["type"] == "RNDV"), None)
+    asks = 2000                                    # 24 MB of answers: more than both sockets hold
+    request = b"".join(wire(READ_REQ, struct.pack("<QQ", chunk["raddr"], chunk["length"]) + chunk["rkey"],
+                            ident=i + 1) for i in range(asks))
+    raw.sock.sendall(request)
+    time.sleep(0.5)                                # the sender queues what its socket cannot take
+    raw.sock.sendall(wire(MSG, frame.encode_header(frame.TYPES["CHUNK_DONE"], 0, 0, chunk["msg_id"], 0, 0)))
+    req.wait(timeout=10)
+    buf[:] = b"X" * len(buf)                       # the application reuses its buffer
+    answers = 0
+    raw.sock.settimeout(10)
+    while answers < asks:
+        kind, ident, body = raw.read_wire()
+        if kind == READ_RESP:
+            assert body == offered[:chunk["length"]], f"answer {ident} carried memory reused after release"
+            answers += 1
+    raw.close()
+    assert_listener_works(fab, lst, accepted)

@@ -64,6 +64,8 @@ cdef struct tcp_send:
     uint64_t ctx
     int notify                 # report FAB_EV_SEND with ctx when sent
     int answer                 # an answer to the peer's read request
+    uint64_t region_key        # ... from this registered region (0: none, or copied out)
+    char* owned                # ... its unsent bytes, copied when the region was deregistered
     int iovcnt
     int iovpos
     iovec* iov
@@ -234,6 +236,7 @@ cdef tcp_send* new_send(iovec* iov, int cnt, uint64_t ctx, int notify) noexcept 
 cdef void free_send(tcp_send* s) noexcept nogil:
     if s.iov != s.iov_inline:
         free(s.iov)
+    free(s.owned)
     free(s)
 
 
@@ -369,10 +372,31 @@ cdef int tcp_reg(fab_channel* ch, void* addr, size_t length, fab_mr* mr) noexcep
     return FAB_DONE
 
 
+cdef void detach_answers(tcp_chan* c, uint64_t key) noexcept nogil:
+    """The region of `key` goes back to the application: answers still queued
+    from it take a copy of their unsent bytes (else they would send whatever
+    the memory holds by then, after the message completed)."""
+    cdef tcp_send* s = c.sq_head
+    cdef iovec* v
+    while s != NULL:
+        if s.answer and s.region_key == key:
+            s.region_key = 0
+            if s.iovcnt == 2 and s.iovpos <= 1 and s.iov[1].iov_len > 0:
+                v = &s.iov[1]
+                s.owned = <char*>malloc(v.iov_len)
+                if s.owned == NULL:
+                    fab_fail(&c.base, ENOMEM, "copying an answer out of a released region")
+                    return
+                memcpy(s.owned, v.iov_base, v.iov_len)
+                v.iov_base = s.owned
+        s = s.next
+
+
 cdef void tcp_dereg(fab_channel* ch, fab_mr* mr) noexcept nogil:
     cdef tcp_chan* c = <tcp_chan*>ch
     cdef uint32_t slot = <uint32_t><size_t>mr.handle
     if slot < c.nregions and c.regions[slot].key != 0:
+        detach_answers(c, c.regions[slot].key)
         ch.live_regions -= 1
         c.regions[slot].key = 0
         c.free_slots[c.nfree] = slot
@@ -427,6 +451,8 @@ cdef int serve_read(tcp_chan* c, const uint8_t* h, const uint8_t* body) noexcept
         make_header(s.hdr, K_READ_RESP, <uint32_t>length, ident)
     s.iov[0].iov_base = s.hdr
     s.answer = 1
+    if cnt == 2:
+        s.region_key = key
     c.answers += 1
     if c.answers > c.answers_max:
         c.answers_max = c.answers
