@@ -533,3 +533,30 @@ def test_the_memory_fabric_is_no_user_backend():
     assert "memory" not in backends.KNOWN and "memory" not in backends.NAMES
     with pytest.raises(fabric.BackendUnavailable):
         backends.get("memory")
+
+
+def test_only_announced_chunks_are_readable_by_the_peer():
+    """Slabs, HELLO and receive destinations are registered for local use
+    only; the registrations a peer can read are the chunks in flight, and
+    none is left once the message is through (issue 15's memory discipline)."""
+    pair = MemPair(chunks_in_flight=2)
+    try:
+        assert pair.settle()
+        local = pair.link.state(0)
+        assert local["live_regions"] > 0 and local["remote_regions"] == 0
+        req = pair.eps[0].isend(payload(0, 0, EAGER * 8 + 1))
+        seen = 0
+        got = None
+        for _ in range(400):
+            seen = max(seen, pair.link.state(0)["remote_regions"])
+            assert pair.link.state(1)["remote_regions"] == 0     # the receiver offers nothing
+            got = pair.eps[1]._try_recv()
+            if got is not None:
+                break
+            pair.settle(1)
+        assert got is not None and 1 <= seen <= 2
+        pair.settle()
+        assert req.done() and req.error is None
+        assert pair.link.state(0)["remote_regions"] == 0
+    finally:
+        pair.close()

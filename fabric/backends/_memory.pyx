@@ -112,6 +112,7 @@ cdef struct mem_region:
     uint64_t key               # 0: slot free
     char* addr
     size_t length
+    int remote                 # the peer may read it (reg's remote flag)
 
 
 cdef struct mem_side:
@@ -384,7 +385,7 @@ cdef int mem_send(fab_channel* ch, iovec* iov, fab_mr** mrs, int iovcnt, uint64_
     return rc
 
 
-cdef int mem_reg(fab_channel* ch, void* addr, size_t length, fab_mr* mr) noexcept nogil:
+cdef int mem_reg(fab_channel* ch, void* addr, size_t length, fab_mr* mr, int remote) noexcept nogil:
     cdef mem_chan* c = <mem_chan*>ch
     cdef mem_link* L = c.link
     cdef mem_side* s = &L.sides[c.side]
@@ -417,6 +418,7 @@ cdef int mem_reg(fab_channel* ch, void* addr, size_t length, fab_mr* mr) noexcep
     s.regions[slot - 1].key = key
     s.regions[slot - 1].addr = <char*>addr
     s.regions[slot - 1].length = length
+    s.regions[slot - 1].remote = remote
     mr.handle = <void*><size_t>slot
     mr.addr = <uint64_t><size_t>addr
     mr.length = length
@@ -885,7 +887,8 @@ cdef class MemoryLink:
         key = rd64(it.rkey)
         r = region_of(owner, key)
         rkey_tail(expect, it.rkey_len, key)
-        if (r == NULL or memcmp_(expect, it.rkey, it.rkey_len)
+        # a region registered for local use only (remote=0) is never readable
+        if (r == NULL or not r.remote or memcmp_(expect, it.rkey, it.rkey_len)
                 or not covers(r, <char*><size_t>it.raddr, it.length)):
             cq_push(s, FAB_EV_READ, -EACCES_, it.ctx, NULL, 0, 0, 0)
             item_free(L, it)
@@ -930,9 +933,14 @@ cdef class MemoryLink:
 
     def state(self, int side):
         cdef mem_side* s = &self.L.sides[side]
+        cdef uint32_t i
+        cdef int remote = 0
         pthread_mutex_lock(&self.L.lock)
         try:
-            return {"attached": bool(s.attached), "closed": bool(s.closed),
+            for i in range(s.nregions):
+                if s.regions[i].key != 0 and s.regions[i].remote:
+                    remote += 1
+            return {"attached": bool(s.attached), "closed": bool(s.closed), "remote_regions": remote,
                     "failed": s.ch.failed if s.ch != NULL else 0,
                     "live_regions": s.ch.live_regions if s.ch != NULL else 0,
                     "regions_at_close": s.regions_at_close, "bufs_in_use": s.bufs_in_use,

@@ -101,7 +101,10 @@ cdef struct fab_channel_ops:
     # mrs: NULL, or for each iov entry the registered region holding it (from
     # reg() on this channel); backends without FAB_CAP_SEND_ANY_MEMORY get one.
     int (*send)(fab_channel* ch, iovec* iov, fab_mr** mrs, int iovcnt, uint64_t ctx) noexcept nogil
-    int (*reg)(fab_channel* ch, void* addr, size_t length, fab_mr* mr) noexcept nogil
+    # remote: the peer will read the region through mr.rkey (a rendezvous chunk);
+    # 0: only this side's own sends and reads use it, and a backend whose
+    # registrations grant remote access must not grant it.
+    int (*reg)(fab_channel* ch, void* addr, size_t length, fab_mr* mr, int remote) noexcept nogil
     void (*dereg)(fab_channel* ch, fab_mr* mr) noexcept nogil
     int (*read)(fab_channel* ch, void* dst, fab_mr* dst_mr, size_t length, uint64_t raddr,
                 uint8_t* rkey, uint32_t rkey_len, uint64_t ctx) noexcept nogil

@@ -332,7 +332,7 @@ cdef int tcp_send_msg(fab_channel* ch, iovec* iov, fab_mr** mrs, int iovcnt, uin
 
 # ------------------------------------------------------------ registration
 
-cdef int tcp_reg(fab_channel* ch, void* addr, size_t length, fab_mr* mr) noexcept nogil:
+cdef int tcp_reg(fab_channel* ch, void* addr, size_t length, fab_mr* mr, int remote) noexcept nogil:
     cdef tcp_chan* c = <tcp_chan*>ch
     cdef uint32_t slot
     cdef tcp_region* grown
@@ -957,7 +957,7 @@ def _fuzz_feed(bytes data, size_t max_recv):
         b.close()
         raise MemoryError()
     c = <tcp_chan*>ch
-    tcp_reg(ch, region, sizeof(region), &mr)
+    tcp_reg(ch, region, sizeof(region), &mr, 1)
     out = {"recvs": 0, "recv_bytes": 0, "reads_answered": 0, "failed": 0, "error": "", "queued_max": 0}
     sent = 0
     shut = False

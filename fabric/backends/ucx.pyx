@@ -801,7 +801,7 @@ cdef int ucx_send(fab_channel* fch, iovec* iov, fab_mr** mrs, int iovcnt, uint64
         return FAB_PENDING
     return post_am(ch, v, iovcnt, ctx, 0)
 
-cdef int ucx_reg(fab_channel* fch, void* addr, size_t length, fab_mr* mr) noexcept nogil:
+cdef int ucx_reg(fab_channel* fch, void* addr, size_t length, fab_mr* mr, int remote) noexcept nogil:
     cdef ucx_chan* ch = <ucx_chan*>fch
     cdef fab_regnode* node
     cdef void* packed

@@ -311,12 +311,15 @@ cdef int vb_send(fab_channel* fch, iovec* iov, fab_mr** mrs, int iovcnt, uint64_
         return fab_fail(fch, rc, "ibv_post_send")
     return FAB_PENDING           # completes when the peer acknowledged it
 
-cdef int vb_reg(fab_channel* fch, void* addr, size_t length, fab_mr* mr) noexcept nogil:
+cdef int vb_reg(fab_channel* fch, void* addr, size_t length, fab_mr* mr, int remote) noexcept nogil:
     cdef vb_chan* ch = <vb_chan*>fch
     cdef fab_regnode* node = <fab_regnode*>calloc(1, sizeof(fab_regnode))
     if node == NULL:
         return -ENOMEM
-    cdef ibv_mr* ib = ibv_reg_mr(ch.dom.pd, addr, length, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ)
+    # only a rendezvous chunk is readable by the peer; slabs, HELLO and receive
+    # destinations are for our own sends and reads
+    cdef ibv_mr* ib = ibv_reg_mr(ch.dom.pd, addr, length,
+                                 IBV_ACCESS_LOCAL_WRITE | (IBV_ACCESS_REMOTE_READ if remote else 0))
     if ib == NULL:
         free(node)
         return -(errno if errno else ENOMEM)

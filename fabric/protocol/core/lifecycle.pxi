@@ -146,7 +146,7 @@ cdef void send_hello(ep_t* ep) noexcept nogil:
     v.iov_len = FRAME_HEADER + HELLO_BODY
     if not (ep.ch.caps & FAB_CAP_SEND_ANY_MEMORY):
         ep.hello_mr = <fab_mr*>calloc(1, sizeof(fab_mr))
-        if ep.hello_mr == NULL or ep.ch.ops.reg(ep.ch, ep.hello, sizeof(ep.hello), ep.hello_mr) < 0:
+        if ep.hello_mr == NULL or ep.ch.ops.reg(ep.ch, ep.hello, sizeof(ep.hello), ep.hello_mr, 0) < 0:
             ep_fail(ep, ENOMEM, "cannot register the handshake buffer")
             return
         ep.own_regions += 1

@@ -80,7 +80,7 @@ cdef int issue_reads(ep_t* ep, inmsg_t* m) noexcept nogil:
     cdef fab_mr* dst_mr = NULL
     if not (ep.ch.caps & FAB_CAP_READ_ANY_MEMORY):
         if not m.dst_registered and m.descs != NULL:   # (none left: a finished message)
-            rc = ep.ch.ops.reg(ep.ch, m.data, m.total, &m.dst_mr)
+            rc = ep.ch.ops.reg(ep.ch, m.data, m.total, &m.dst_mr, 0)
             if rc < 0:
                 ep_fail(ep, -rc, "registering the receive buffer failed")
                 return -1

@@ -116,7 +116,7 @@ cdef int announce_chunk(ep_t* ep, sendop_t* op, int first) noexcept nogil:
     next_chunk(ep, op, &ptr, &length)
     if op.native:
         return announce_native(ep, op, first, ptr, length)
-    rc = ep.ch.ops.reg(ep.ch, ptr, length, mr)
+    rc = ep.ch.ops.reg(ep.ch, ptr, length, mr, 1)      # announced: the peer reads it
     if rc < 0:
         if ep.ch.failed:
             ep_channel_failed(ep)

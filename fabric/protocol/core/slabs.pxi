@@ -23,7 +23,7 @@ cdef slab_t* slab_get(ep_t* ep, int control) noexcept nogil:
             # registered once, for the slab's life; closing the channel
             # releases the registration
             s.mr = <fab_mr*>(<char*>s + sizeof(slab_t))
-            if ep.ch.ops.reg(ep.ch, s.data, ep.slab_cap, s.mr) < 0:
+            if ep.ch.ops.reg(ep.ch, s.data, ep.slab_cap, s.mr, 0) < 0:
                 free(s)
                 if ep.ch.failed:
                     ep_channel_failed(ep)   # the real reason, not "out of memory"
