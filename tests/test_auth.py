@@ -93,6 +93,14 @@ def make(backend_name, key, **extra):
     return fabric.Fabric(backend_name, auth_key=key if key is not None else False, **small_options(**extra))
 
 
+@pytest.fixture
+def keyed(backend_name):
+    """A Fabric holding KEY and its listener; closed after the test."""
+    fab = make(backend_name, KEY)
+    yield fab, fab.listen()
+    fab.close(linger=0)
+
+
 # ------------------------------------------------------------ fabric to fabric
 
 @pytest.mark.timeout(60)
@@ -167,80 +175,64 @@ def test_the_key_appears_in_no_option_repr_or_message(backend_name):
 # ------------------------------------------------------------ hostile peers
 
 @pytest.mark.timeout(60)
-def test_the_handshake_is_the_specified_one(backend_name):
+def test_the_handshake_is_the_specified_one(keyed):
     """A client written from the specification alone passes: the listener
     answers its preamble with one of its own, checks its MAC, and answers
     with HMAC(key, label | acceptor | P_c | P_a)."""
-    b = make(backend_name, KEY)
-    lst = b.listen()
-    try:
-        s = raw_connect(lst.address)
-        p_c = preamble(CONNECTOR, True, b.name)
-        s.sendall(p_c)
-        p_a = read_exactly(s, 48)
-        assert p_a[:4] == MAGIC and p_a[4] == 1 and p_a[5] == ACCEPTOR and p_a[6] == 1
-        assert p_a[8:16].rstrip(b"\0").decode() == b.name
-        s.sendall(mac(KEY, CONNECTOR, p_c, p_a))
-        assert read_exactly(s, 32) == mac(KEY, ACCEPTOR, p_c, p_a)
-        s.close()
-        assert lst.refused == 0
-    finally:
-        b.close(linger=0)
+    b, lst = keyed
+    s = raw_connect(lst.address)
+    p_c = preamble(CONNECTOR, True, b.name)
+    s.sendall(p_c)
+    p_a = read_exactly(s, 48)
+    assert p_a[:4] == MAGIC and p_a[4] == 1 and p_a[5] == ACCEPTOR and p_a[6] == 1
+    assert p_a[8:16].rstrip(b"\0").decode() == b.name
+    s.sendall(mac(KEY, CONNECTOR, p_c, p_a))
+    assert read_exactly(s, 32) == mac(KEY, ACCEPTOR, p_c, p_a)
+    s.close()
+    assert lst.refused == 0
 
 
 @pytest.mark.timeout(60)
-def test_a_listener_never_speaks_first(backend_name):
-    b = make(backend_name, KEY)
-    lst = b.listen()
-    try:
-        s = raw_connect(lst.address)
-        s.settimeout(0.5)
-        with pytest.raises(socket.timeout):
-            s.recv(1)
-        s.close()
-    finally:
-        b.close(linger=0)
+def test_a_listener_never_speaks_first(keyed):
+    b, lst = keyed
+    s = raw_connect(lst.address)
+    s.settimeout(0.5)
+    with pytest.raises(socket.timeout):
+        s.recv(1)
+    s.close()
 
 
 @pytest.mark.timeout(60)
-def test_a_replayed_handshake_is_refused_and_a_stranger_gets_no_mac(backend_name):
-    b = make(backend_name, KEY)
-    lst = b.listen()
-    try:
-        s = raw_connect(lst.address)                 # a recorded, good session
-        p_c = preamble(CONNECTOR, True, b.name)
-        s.sendall(p_c)
-        p_a = read_exactly(s, 48)
-        recorded_mac = mac(KEY, CONNECTOR, p_c, p_a)
-        s.sendall(recorded_mac)
-        assert len(read_exactly(s, 32)) == 32
-        s.close()
-        s = raw_connect(lst.address)                 # the replay: the listener draws a new nonce
-        s.sendall(p_c)
-        assert read_exactly(s, 48)[16:] != p_a[16:]
-        s.sendall(recorded_mac)
-        assert read_exactly(s, 32) == b""            # closed, and no MAC of ours to learn from
-        s.close()
-        assert wait_for(lambda: lst.refused == 1)
-        assert "does not hold" in lst.last_refusal
-    finally:
-        b.close(linger=0)
+def test_a_replayed_handshake_is_refused_and_a_stranger_gets_no_mac(keyed):
+    b, lst = keyed
+    s = raw_connect(lst.address)                 # a recorded, good session
+    p_c = preamble(CONNECTOR, True, b.name)
+    s.sendall(p_c)
+    p_a = read_exactly(s, 48)
+    recorded_mac = mac(KEY, CONNECTOR, p_c, p_a)
+    s.sendall(recorded_mac)
+    assert len(read_exactly(s, 32)) == 32
+    s.close()
+    s = raw_connect(lst.address)                 # the replay: the listener draws a new nonce
+    s.sendall(p_c)
+    assert read_exactly(s, 48)[16:] != p_a[16:]
+    s.sendall(recorded_mac)
+    assert read_exactly(s, 32) == b""            # closed, and no MAC of ours to learn from
+    s.close()
+    assert wait_for(lambda: lst.refused == 1)
+    assert "does not hold" in lst.last_refusal
 
 
 @pytest.mark.timeout(60)
-def test_a_peer_claiming_the_listeners_role_is_refused(backend_name):
-    b = make(backend_name, KEY)
-    lst = b.listen()
-    try:
-        s = raw_connect(lst.address)
-        s.sendall(preamble(ACCEPTOR, True, b.name))
-        assert len(read_exactly(s, 48)) == 48        # answered, so a fabric peer could say why
-        assert read_exactly(s, 32) == b""
-        s.close()
-        assert wait_for(lambda: lst.refused == 1)
-        assert "reflected" in lst.last_refusal
-    finally:
-        b.close(linger=0)
+def test_a_peer_claiming_the_listeners_role_is_refused(keyed):
+    b, lst = keyed
+    s = raw_connect(lst.address)
+    s.sendall(preamble(ACCEPTOR, True, b.name))
+    assert len(read_exactly(s, 48)) == 48        # answered, so a fabric peer could say why
+    assert read_exactly(s, 32) == b""
+    s.close()
+    assert wait_for(lambda: lst.refused == 1)
+    assert "reflected" in lst.last_refusal
 
 
 def fake_listener(answer):

@@ -65,6 +65,16 @@ class RawPeer:
         self.sock.close()
 
 
+def raw_peer_and_its_endpoint(lst, accepted):
+    """A RawPeer through its HELLO, and the endpoint the listener made for it."""
+    raw = RawPeer(lst.address)
+    raw.handshake()
+    deadline = time.monotonic() + 10
+    while not accepted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return raw, accepted[0]
+
+
 @pytest.fixture
 def served():
     """A listener whose accept loop runs in a thread, collecting endpoints."""
@@ -147,12 +157,7 @@ def test_silent_client_is_dropped_after_handshake_timeout(served):
 ])
 def test_protocol_violation_closes_only_that_connection(served, bad):
     fab, lst, accepted = served
-    raw = RawPeer(lst.address)
-    raw.handshake()
-    deadline = time.monotonic() + 10
-    while not accepted and time.monotonic() < deadline:
-        time.sleep(0.01)
-    ep = accepted[0]
+    raw, ep = raw_peer_and_its_endpoint(lst, accepted)
     raw.sock.sendall(bad)
     with pytest.raises((fabric.ProtocolError, fabric.ConnectionLost)):
         ep.recv(timeout=10)
@@ -164,12 +169,7 @@ def test_protocol_violation_closes_only_that_connection(served, bad):
 @pytest.mark.timeout(60)
 def test_forged_or_stale_keys_and_out_of_range_reads_are_refused(served):
     fab, lst, accepted = served
-    raw = RawPeer(lst.address)
-    raw.handshake()
-    deadline = time.monotonic() + 10
-    while not accepted and time.monotonic() < deadline:
-        time.sleep(0.01)
-    ep = accepted[0]
+    raw, ep = raw_peer_and_its_endpoint(lst, accepted)
     secret = os.urandom(100_000)
     req = ep.isend(secret)            # above eager_limit: announced by RNDV frames
     frames = []
@@ -211,12 +211,7 @@ def test_answers_queued_when_a_chunk_is_released_never_send_reused_memory(served
     and the application reuses its buffer. The answers still queued must
     carry the chunk as it was offered, never what the memory holds later."""
     fab, lst, accepted = served
-    raw = RawPeer(lst.address)
-    raw.handshake()
-    deadline = time.monotonic() + 10
-    while not accepted and time.monotonic() < deadline:
-        time.sleep(0.01)
-    ep = accepted[0]
+    raw, ep = raw_peer_and_its_endpoint(lst, accepted)
     buf = bytearray(os.urandom(12000))             # above eager_limit, one chunk
     offered = bytes(buf)
     req = ep.isend(buf)

@@ -130,29 +130,27 @@ cdef void tcp_domain_unref(tcp_domain* d) noexcept nogil:
         free(d)
 
 
-cdef void tls_failed(tcp_chan* c, const char* text) noexcept nogil:
-    """A TLS session failed: the channel fails with its whole reason (a
-    refused certificate as EKEYREJECTED, which the engine reports as an
-    AuthenticationError); errno stays for the caller."""
+cdef ssize_t tls_result(tcp_chan* c, ssize_t r, const char* text) noexcept nogil:
+    """r from a TLS session call; when it failed (not a wait), the channel
+    fails with the session's whole reason (a refused certificate as
+    EKEYREJECTED, which the engine reports as an AuthenticationError; a
+    reset stays a reset). errno stays for the caller."""
     cdef int err = errno
-    if not c.base.failed:
+    if r < 0 and err != EAGAIN and text[0] and not c.base.failed:
         c.base.failed = err if err in (EKEYREJECTED_, ECONNRESET, EPIPE) else EPROTO
         snprintf(c.base.error, FAB_ERROR_TEXT, "%s", text)
-    set_errno(err)
+        set_errno(err)
+    return r
 
 
 cdef ssize_t io_sendv(tcp_chan* c, iovec* iov, int cnt) noexcept nogil:
     """sendmsg on the socket or in the TLS session: bytes taken, or -1 with
     errno (a TLS failure has failed the channel with its reason already)."""
     cdef msghdr mh
-    cdef ssize_t r
     cdef char text[FAB_ERROR_TEXT]
     if c.tls != NULL:
         text[0] = 0
-        r = c.tls_ops.sendv(c.tls, iov, cnt, text, FAB_ERROR_TEXT)
-        if r < 0 and errno != EAGAIN and text[0]:
-            tls_failed(c, text)
-        return r
+        return tls_result(c, c.tls_ops.sendv(c.tls, iov, cnt, text, FAB_ERROR_TEXT), text)
     memset(&mh, 0, sizeof(mh))
     mh.msg_iov = iov
     mh.msg_iovlen = cnt
@@ -161,14 +159,10 @@ cdef ssize_t io_sendv(tcp_chan* c, iovec* iov, int cnt) noexcept nogil:
 
 cdef ssize_t io_recv(tcp_chan* c, char* buf, size_t n) noexcept nogil:
     """recv on the socket or in the TLS session (see io_sendv)."""
-    cdef ssize_t r
     cdef char text[FAB_ERROR_TEXT]
     if c.tls != NULL:
         text[0] = 0
-        r = c.tls_ops.recv(c.tls, buf, n, text, FAB_ERROR_TEXT)
-        if r < 0 and errno != EAGAIN and text[0]:
-            tls_failed(c, text)
-        return r
+        return tls_result(c, c.tls_ops.recv(c.tls, buf, n, text, FAB_ERROR_TEXT), text)
     return recv(c.base.fd, buf, n, MSG_DONTWAIT)
 
 
@@ -256,7 +250,6 @@ cdef inline void queue_send(tcp_chan* c, tcp_send* s) noexcept nogil:
 cdef int flush_sends(tcp_chan* c) noexcept nogil:
     """Write queued sends until the socket is full. 0, or -errno on failure."""
     cdef tcp_send* s
-    cdef msghdr mh
     cdef ssize_t r
     cdef int n
     while c.sq_head != NULL:
@@ -294,7 +287,6 @@ cdef int tcp_send_msg(fab_channel* ch, iovec* iov, fab_mr** mrs, int iovcnt, uin
     cdef size_t total = 0
     cdef int i
     cdef ssize_t r
-    cdef msghdr mh
     cdef tcp_send* s
     if ch.failed:
         return -ch.failed
