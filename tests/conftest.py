@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -105,20 +106,29 @@ class Peer:
         full_env.update(env or {})
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env=full_env)
-        # byte by byte from the descriptor: a buffered readline could take the
-        # lines after it too, and communicate() (in wait) reads the descriptor
-        # itself, so those lines were lost to the test
-        raw = bytearray()
-        while not raw.endswith(b"\n"):
-            b = os.read(self.proc.stdout.fileno(), 1)
-            if not b:
-                break
-            raw += b
-        line = raw.decode(errors="replace").strip()
+        line = self.read_line(timeout=120)
         if not line:
             err = self.proc.stderr.read()
             raise RuntimeError(f"peer {role} failed to start: {err}")
         self.first_line = line
+
+    def read_line(self, timeout=60):
+        """The peer's next stdout line ("" if it ended or said nothing in time)."""
+        # byte by byte from the descriptor: a buffered readline could take the
+        # lines after it too, and communicate() (in wait) reads the descriptor
+        # itself, so those lines were lost to the test
+        import select
+        raw = bytearray()
+        end = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while not raw.endswith(b"\n"):
+            if not select.select([fd], [], [], max(0.0, end - time.monotonic()))[0]:
+                break
+            b = os.read(fd, 1)
+            if not b:
+                break
+            raw += b
+        return raw.decode(errors="replace").strip()
 
     def wait(self, timeout=60):
         try:

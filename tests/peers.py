@@ -185,6 +185,92 @@ def faulty(backend, address, scenario):
     time.sleep(30)
 
 
+# ------------------------------------------------- hostile or dying peers (issue 15)
+
+AUTH_LABEL = b"fabric-auth/1"
+
+
+def _preamble(role, backend):
+    return b"FBAU" + bytes([1, role, 1, 0]) + backend.encode().ljust(8, b"\0") + os.urandom(32)
+
+
+def _read_exactly(s, n):
+    out = b""
+    while len(out) < n:
+        got = s.recv(n - len(out))
+        if not got:
+            raise SystemExit("peer closed early")
+        out += got
+    return out
+
+
+def half_mac(backend, address, key_hex):
+    """Connect with the key, send the preamble and half of a valid MAC, then
+    wait to be killed in the middle of the exchange."""
+    import hmac
+    import socket
+    host, port = address.rsplit(":", 1)
+    s = socket.create_connection((host.strip("[]"), int(port)), timeout=30)
+    ours = _preamble(0, backend)
+    s.sendall(ours)
+    theirs = _read_exactly(s, 48)
+    mac = hmac.new(bytes.fromhex(key_hex), AUTH_LABEL + b"\0" + ours + theirs, hashlib.sha256).digest()
+    s.sendall(mac[:16])
+    say("half sent")
+    time.sleep(60)
+
+
+def half_mac_listener(backend):
+    """A listener that answers a keyed connector's preamble, takes its MAC,
+    and is killed before it answers with its own."""
+    import socket
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(4)
+    say("127.0.0.1:%d" % lst.getsockname()[1])
+    s, _ = lst.accept()
+    _read_exactly(s, 48)
+    s.sendall(_preamble(1, backend))
+    _read_exactly(s, 32)
+    say("got its mac")
+    time.sleep(60)
+
+
+def connect_storm(backend, address):
+    """Connect and close over and over from asyncio, 16 at a time (the key
+    comes from FABRIC_AUTH_KEY), until killed."""
+    import asyncio
+    fab = fabric.Fabric(backend, **SMALL)
+
+    async def one():
+        try:
+            ep = await fab.aconnect(address, timeout=30)
+            ep.close(linger=0)
+        except fabric.FabricError:
+            pass
+
+    async def main():
+        say("storming")
+        while True:
+            await asyncio.gather(*[one() for _ in range(16)])
+    asyncio.run(main())
+
+
+def tls_sender(backend, address, ca_path, size):
+    """Connect over TLS and start sending one big message, then wait to be
+    killed."""
+    import ssl
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.load_verify_locations(ca_path)
+    fab = fabric.Fabric("tcp", ssl=ctx, **SMALL)
+    ep = fab.connect(address, timeout=30)
+    ep.send(b"first")
+    req = ep.isend(bytearray(int(size)))
+    say("sending")
+    time.sleep(60)
+    req.wait()
+
+
 if __name__ == "__main__":
     role, backend, *args = sys.argv[1:]
     globals()[role](backend, *args)

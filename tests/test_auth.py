@@ -505,6 +505,148 @@ def test_strangers_with_a_preamble_but_no_key_give_way_too(backend_name):
         good.close(linger=0)
 
 
+# ------------------------------------------------------ at scale, and dying peers
+
+CONNECTIONS = int(os.environ.get("FABRIC_TEST_CONNECTIONS", "300"))
+
+
+def pending_handshakes(fab):
+    return sum(l["npending"] for l in fab._worker._debug_state().get("listeners", []))
+
+
+@pytest.mark.timeout(300)
+def test_hundreds_of_keyed_asyncio_connections_with_strangers_among_them(backend_name):
+    """CONNECTIONS clients holding the key connect at once from one event loop
+    while a quarter as many holding another key try too: every good one gets
+    in and carries data, every stranger is refused, on both sides."""
+    n = min(CONNECTIONS, 300)
+    bad_n = max(1, n // 4)
+
+    async def main():
+        b = make(backend_name, KEY, credits=4, send_buffers=2, max_pending_handshakes=4 * n)
+        a = make(backend_name, KEY, credits=4, send_buffers=2)
+        stranger = make(backend_name, OTHER)
+        lst = b.listen()
+        try:
+            accepted = [asyncio.ensure_future(lst.aaccept(timeout=120)) for _ in range(n)]
+            tries = [a.aconnect(lst.address, timeout=120) for _ in range(n)]
+            tries += [stranger.aconnect(lst.address, timeout=120) for _ in range(bad_n)]
+            results = await asyncio.gather(*tries, return_exceptions=True)
+            clients, refusals = results[:n], results[n:]
+            assert all(isinstance(c, fabric.Endpoint) for c in clients), \
+                [c for c in clients if not isinstance(c, fabric.Endpoint)][:3]
+            assert all(isinstance(e, fabric.AuthenticationError) for e in refusals), refusals[:3]
+            servers = await asyncio.gather(*accepted)
+            for i, c in enumerate(clients):
+                await c.asend(b"%d" % i)
+            got = sorted([int(bytes(await s.arecv(timeout=60))) for s in servers])
+            assert got == list(range(n))
+            assert wait_for(lambda: lst.refused == bad_n), (lst.refused, bad_n)
+        finally:
+            for f in (a, b, stranger):
+                f.close(linger=0)
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_client_killed_in_the_middle_of_its_mac_frees_its_place(backend_name, peer_factory):
+    """A keyed client process killed after half of its MAC: the listener drops
+    the connection at once (not at the handshake timeout), counts nothing
+    accepted, and serves the next client."""
+    b = make(backend_name, KEY)
+    good = make(backend_name, KEY)
+    lst = b.listen()
+    try:
+        for _ in range(3):
+            peer = peer_factory("half_mac", lst.address, KEY.hex(), backend=b.name)
+            assert peer.first_line == "half sent"
+            assert pending_handshakes(b) == 1 or wait_for(lambda: pending_handshakes(b) == 1)
+            killed = time.monotonic()
+            peer.kill()
+            assert wait_for(lambda: pending_handshakes(b) == 0, timeout=5), b._worker._debug_state()
+            assert time.monotonic() - killed < 5
+        client = good.connect(lst.address, timeout=10)
+        server = lst.accept(timeout=10)
+        roundtrip(client, server)
+        with pytest.raises(fabric.Timeout):
+            lst.accept(timeout=0.2)       # nothing of the dead clients was handed out
+    finally:
+        b.close(linger=0)
+        good.close(linger=0)
+
+
+@pytest.mark.timeout(120)
+def test_a_listener_killed_before_its_mac_fails_the_connect_promptly(backend_name, peer_factory):
+    """The other side: the listener process dies after taking our MAC and
+    before answering with its own. connect() fails at once, with an error
+    that says the peer dropped the exchange, and the Fabric still connects
+    elsewhere."""
+    a = make(backend_name, KEY)
+    b = make(backend_name, KEY)
+    peer = peer_factory("half_mac_listener", backend=a.name)
+    box = {}
+
+    def connect():
+        try:
+            a.connect(peer.first_line, timeout=30)
+        except fabric.FabricError as e:
+            box["error"] = e
+            box["at"] = time.monotonic()
+
+    t = threading.Thread(target=connect)
+    t.start()
+    try:
+        assert peer.read_line(timeout=30) == "got its mac"
+        killed = time.monotonic()
+        peer.kill()
+        t.join(30)
+        assert isinstance(box.get("error"), (fabric.AuthenticationError, fabric.ConnectionLost)), box
+        assert "dropped" in str(box["error"]) or "closed" in str(box["error"]), box["error"]
+        assert box["at"] - killed < 5
+        client, server = connect_pair(a, b)
+        roundtrip(client, server)
+    finally:
+        t.join(30)
+        a.close(linger=0)
+        b.close(linger=0)
+
+
+@pytest.mark.timeout(180)
+def test_a_process_storming_keyed_connects_killed_leaves_the_listener_whole(backend_name, peer_factory):
+    """A real fabric process connecting and closing 16 at a time with the key
+    is killed at a random instant (mid-preamble, mid-MAC, mid-HELLO or after):
+    every connection it left behind ends promptly, and a new client gets in."""
+    b = make(backend_name, KEY)
+    good = make(backend_name, KEY)
+    lst = b.listen()
+    rng = __import__("random").Random(15)
+    accepted = 0
+    try:
+        for _ in range(3):
+            peer = peer_factory("connect_storm", lst.address, backend=b.name,
+                                env={"FABRIC_AUTH_KEY": KEY.decode()})
+            assert peer.first_line == "storming"
+            time.sleep(0.2 + rng.random() * 0.5)
+            peer.kill()
+            assert wait_for(lambda: pending_handshakes(b) == 0, timeout=15), b._worker._debug_state()
+            while True:                     # what got accepted before the kill fails or closes
+                try:
+                    ep = lst.accept(timeout=0.05)
+                except fabric.Timeout:
+                    break
+                accepted += 1
+                with pytest.raises(fabric.FabricError):
+                    ep.recv(timeout=10)
+                ep.close(linger=0)
+        assert accepted > 0                 # the storm did reach the listener
+        client = good.connect(lst.address, timeout=10)
+        server = lst.accept(timeout=10)
+        roundtrip(client, server)
+    finally:
+        b.close(linger=0)
+        good.close(linger=0)
+
+
 def cpu_seconds_of_a_process_while(code, backend_name, seconds=1.0):
     """Run code in a fresh interpreter; it prints 'ready' once its listener
     faces the situation, then idles; return the CPU it spent in the next

@@ -9,6 +9,7 @@ import asyncio
 import os
 import ssl
 import threading
+import time
 
 import pytest
 
@@ -186,6 +187,99 @@ def test_a_peer_that_goes_away_fails_the_pending_receive(pem):
     t.join(20)
     a.close(linger=0)
     assert isinstance(box.get("error"), fabric.ConnectionLost)
+
+
+CONNECTIONS = int(os.environ.get("FABRIC_TEST_CONNECTIONS", "300"))
+
+
+@pytest.mark.timeout(300)
+def test_hundreds_of_tls_connections_sync_and_asyncio(pem):
+    """CONNECTIONS TLS connections from one event loop, then as many from
+    blocking threads, each carrying an eager and a rendezvous message."""
+    n = min(CONNECTIONS, 300)
+    b = tls_fabric(server_context(pem), credits=4, send_buffers=2, max_pending_handshakes=2 * n)
+    a = tls_fabric(client_context(pem), credits=4, send_buffers=2)
+    lst = b.listen()
+
+    async def with_asyncio():
+        accepted = [asyncio.ensure_future(lst.aaccept(timeout=120)) for _ in range(n)]
+        clients = await asyncio.gather(*[a.aconnect(lst.address, timeout=120) for _ in range(n)])
+        servers = await asyncio.gather(*accepted)
+        for i, c in enumerate(clients):
+            await c.asend(b"%d" % i)
+        # accept() hands connections out as their handshakes finish: the
+        # number each client sent names its server
+        peer_of = {int(bytes(await s.arecv(timeout=60))): s for s in servers}
+        assert sorted(peer_of) == list(range(n))
+        big = os.urandom(50000)
+        sends = [asyncio.ensure_future(peer_of[i].asend(big)) for i in range(32)]
+        for c in clients[:32]:
+            assert bytes(await c.arecv(timeout=60)) == big
+        await asyncio.gather(*sends)
+        for e in clients + servers:
+            e.close(linger=0)
+
+    try:
+        asyncio.run(with_asyncio())
+        clients = []
+        threads = [threading.Thread(target=lambda: clients.append(a.connect(lst.address, timeout=120)))
+                   for _ in range(n)]
+        for t in threads:
+            t.start()
+        servers = [lst.accept(timeout=120) for _ in range(n)]
+        for t in threads:
+            t.join(120)
+        assert len(clients) == n
+        for i, c in enumerate(clients):
+            c.send(b"%d" % i)
+        assert sorted(int(bytes(s.recv(timeout=60))) for s in servers) == list(range(n))
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+
+
+@pytest.mark.timeout(120)
+def test_a_tls_peer_killed_mid_transfer_fails_only_its_connection(pem, peer_factory):
+    """A TLS client process killed while its 128 MiB message is being pulled:
+    the receive on its connection fails promptly with ConnectionLost; another
+    TLS connection to the same listener carries on."""
+    b = tls_fabric(server_context(pem))
+    a = tls_fabric(client_context(pem))
+    lst = b.listen()
+    try:
+        peer = peer_factory("tls_sender", lst.address, pem["ca"], 128 << 20, backend="tcp")
+        assert peer.first_line == "sending"
+        doomed = lst.accept(timeout=30)
+        assert bytes(doomed.recv(timeout=30)) == b"first"
+        client = a.connect(lst.address, timeout=30)
+        survivor = lst.accept(timeout=30)
+        box = {}
+
+        def pull():
+            try:
+                box["got"] = doomed.recv(timeout=60)
+            except fabric.FabricError as e:
+                box["error"] = e
+                box["at"] = time.monotonic()
+
+        t = threading.Thread(target=pull)
+        t.start()
+        time.sleep(0.02)                 # the pull is under way (128 MiB take ~0.1 s)
+        peer.kill()
+        killed = time.monotonic()
+        t.join(60)
+        if "got" in box:                 # it was fast enough to arrive whole before the kill
+            assert len(box["got"]) == 128 << 20
+        else:
+            assert isinstance(box.get("error"), fabric.ConnectionLost), box
+            assert box["at"] - killed < 10
+        client.send(b"still here" * 1000)
+        assert bytes(survivor.recv(timeout=20)) == b"still here" * 1000
+        survivor.send(os.urandom(100000))
+        assert len(client.recv(timeout=20)) == 100000
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
 
 
 def test_configurations_fabric_refuses(pem):
