@@ -5,7 +5,8 @@ variables and per-Fabric keyword arguments, in increasing order of precedence.
 |-------------------|-----------------------------|---------|
 | eager_limit       | FABRIC_EAGER_LIMIT          | largest message sent eagerly (copied through pre-allocated buffers or sent straight from the caller's buffer); larger ones go by rendezvous |
 | chunk_size        | FABRIC_CHUNK_SIZE           | rendezvous messages are registered and pulled in chunks of this size |
-| chunks_in_flight  | FABRIC_CHUNKS_IN_FLIGHT     | chunks announced (sender) and read (receiver) ahead per message |
+| chunks_in_flight  | FABRIC_CHUNKS_IN_FLIGHT     | chunks announced (sender) and read (receiver) ahead per message; a peer announcing more unanswered chunks of one message is cut off |
+| max_rendezvous    | FABRIC_MAX_RENDEZVOUS       | rendezvous messages in flight per endpoint and direction (announced, not yet fully pulled): a sender keeps to its peer's, a peer announcing more is cut off (ProtocolError) |
 | coalesce_limit    | FABRIC_COALESCE_LIMIT       | largest fabric message; small messages queued while the fabric is busy are packed up to this size |
 | coalesce          | FABRIC_COALESCE             | 1: pack small messages queued while the fabric is busy into one send; 0: one send per message (for measuring what coalescing gains) |
 | credits           | FABRIC_CREDITS              | receive buffers each endpoint offers its peer (flow control) |
@@ -16,6 +17,7 @@ variables and per-Fabric keyword arguments, in increasing order of precedence.
 | spin_max_us       | FABRIC_SPIN_MAX_US          | adaptive polling: an endpoint whose recent waits ended within this many microseconds polls a little longer than they took before it blocks (waking a blocked thread costs tens of microseconds on a VM); 0: always spin_us |
 | handshake_timeout | FABRIC_HANDSHAKE_TIMEOUT    | seconds a new connection has to complete its handshake |
 | max_pending_handshakes | FABRIC_MAX_PENDING_HANDSHAKES | connections a listener authenticates and handshakes at once (at most a quarter of the descriptor limit); when full, the slowest pending one older than 0.5 s gives way to a new one |
+| max_connections   | FABRIC_MAX_CONNECTIONS      | connections one listener keeps open at once (from the preamble until closed or dead); more are turned away at once, and their connect() fails with ConnectionLost naming the limit |
 | close_linger      | FABRIC_CLOSE_LINGER         | seconds close() waits for queued sends to leave |
 | native_min        | FABRIC_NATIVE_MIN           | messages of at least this size use the fabric's own rendezvous where it has one (ucx); 0: always the engine's |
 | progress_thread   | FABRIC_PROGRESS_THREAD      | 1: a background thread progresses sends, rendezvous and TCP read service while the application is away from fabric (it polls only then); 0: progress happens only inside fabric calls |
@@ -44,6 +46,7 @@ KNOBS = {
     "eager_limit": ("size", 0, 1 << 30),
     "chunk_size": ("size", 4096, 1 << 31),
     "chunks_in_flight": ("int", 1, 1024),
+    "max_rendezvous": ("int", 1, 1 << 20),
     "coalesce_limit": ("size", 1024, 1 << 30),
     "coalesce": ("int", 0, 1),
     "credits": ("int", 4, 65536),
@@ -54,6 +57,7 @@ KNOBS = {
     "spin_max_us": ("float", 0, 1e6),
     "handshake_timeout": ("float", 0.001, 1e6),
     "max_pending_handshakes": ("int", 1, 1 << 20),
+    "max_connections": ("int", 1, 1 << 24),
     "close_linger": ("float", 0, 1e6),
     "progress_thread": ("int", 0, 1),
     "native_min": ("size", 0, 1 << 62),
@@ -67,6 +71,7 @@ HELP = {
     "eager_limit": "largest message sent eagerly; larger ones go by rendezvous",
     "chunk_size": "rendezvous messages are registered and pulled in chunks of this size",
     "chunks_in_flight": "rendezvous chunks announced and read ahead per message",
+    "max_rendezvous": "rendezvous messages in flight per endpoint and direction (a peer announcing more is cut off)",
     "coalesce_limit": "largest fabric message: small queued messages are packed up to this size",
     "coalesce": "1: pack small messages queued while the fabric is busy into one send; 0: one send per message",
     "credits": "receive buffers each endpoint offers its peer (flow control)",
@@ -77,6 +82,7 @@ HELP = {
     "spin_max_us": "adaptive polling: longest spin for endpoints whose waits end quickly; 0: always spin_us",
     "handshake_timeout": "seconds a new connection has to complete its handshake",
     "max_pending_handshakes": "connections a listener handshakes at once; when full the slowest (> 0.5 s) gives way",
+    "max_connections": "connections a listener keeps open at once; more are turned away with a clear error",
     "close_linger": "seconds close() waits for queued sends to leave",
     "progress_thread": "1: a background thread progresses while the application is away; 0: only in calls",
     "native_min": "messages of at least this size use the fabric's own rendezvous (ucx); 0: always the engine's",
@@ -88,6 +94,7 @@ COMMON_DEFAULTS = {
     "eager_limit": 65536,
     "chunk_size": 4 << 20,
     "chunks_in_flight": 2,
+    "max_rendezvous": 64,
     "coalesce_limit": 65536 + 4096,
     "coalesce": 1,
     "credits": 32,
@@ -98,6 +105,7 @@ COMMON_DEFAULTS = {
     "spin_max_us": 500.0,
     "handshake_timeout": 10.0,
     "max_pending_handshakes": 1024,
+    "max_connections": 4096,
     "close_linger": 5.0,
     "progress_thread": 1,
     "native_min": 0,

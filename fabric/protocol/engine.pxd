@@ -9,6 +9,7 @@ cdef struct opts_t:
     size_t eager_limit          # largest message sent eagerly
     size_t chunk_size           # rendezvous chunk (pipelining unit)
     uint32_t chunks_in_flight   # chunks announced / read ahead per message
+    uint32_t max_rendezvous     # rendezvous messages a peer may have announced and not seen pulled
     size_t coalesce_limit       # largest fabric message (coalescing buffer)
     uint32_t credits            # receive buffers offered to the peer
     size_t recv_budget          # bytes of unreceived messages buffered per endpoint
@@ -18,6 +19,7 @@ cdef struct opts_t:
     double spin_max             # adaptive polling never spins longer than this (0: off)
     double handshake_timeout
     uint32_t max_pending        # handshakes a listener runs at once (max_pending_handshakes)
+    uint32_t max_connections    # connections a listener admits and keeps open at once
     double close_linger
     int progress_thread
     int coalesce                # 0: one frame per fabric message (no packing)
@@ -97,6 +99,7 @@ cdef struct inmsg_t:
     uint32_t next_index
     uint64_t next_offset
     desc_t* descs
+    uint32_t ndescs             # announced chunks not answered yet (bounded: max_chunks)
     int reads
     size_t received
     int dst_registered
@@ -154,11 +157,16 @@ cdef struct ep_t:
     ep_t* lst_next
     double hs_deadline
     auth_t* auth                # state EP_AUTH: the authentication on the raw socket
+    uint64_t admitted_by        # key of the listener whose nconnections counts it (0: none)
     # send side
     uint64_t next_out_id
     int peer_credits
     uint32_t peer_max_recv
     uint64_t peer_max_message
+    uint32_t peer_max_rendezvous    # rendezvous the peer accepts in flight (its HELLO)
+    uint32_t peer_max_chunks        # chunk announcements it accepts in flight per message
+    uint32_t rndv_out_count         # our rendezvous sends announced and not finished
+    uint32_t rndv_in_count          # the peer's rendezvous messages in ep.rndv_in
     size_t slab_cap
     size_t eager_limit
     int pending_sends
@@ -238,6 +246,7 @@ cdef struct lst_t:
     ep_t* ready_head
     ep_t* ready_tail
     int npending
+    uint32_t nconnections       # admitted (past the preamble) and not yet closed or dead
     int closed
     int disarmed                # the listening socket is out of the epoll set (table full, or EMFILE)
     double rearm_at             # ... until then (or, table full, until a pending handshake ends)

@@ -16,7 +16,11 @@
 #    22    2 reserved     0
 #
 # Bodies:
-#   HELLO       32 bytes: u32 max_recv, u32 credits, u64 max_message, u64 0, u64 0
+#   HELLO       32 bytes: u32 max_recv, u32 credits, u64 max_message,
+#               u32 max_rendezvous, u32 max_chunks, u64 0. The last two bound
+#               what the sender of the HELLO accepts in flight from its peer:
+#               rendezvous messages announced and not yet fully pulled, and
+#               unanswered chunk announcements per message (0: not declared).
 #   EAGER       the message bytes (possibly none)
 #   RNDV        announces one chunk of a rendezvous message:
 #               u64 total, u64 offset, u64 raddr, u32 length, u16 rkey_len,
@@ -71,6 +75,8 @@ cdef struct frame_t:
     uint32_t hello_max_recv
     uint32_t hello_credits
     uint64_t hello_max_message
+    uint32_t hello_max_rendezvous
+    uint32_t hello_max_chunks
 
 
 cdef inline void put_header(uint8_t* p, int ftype, int flags, uint32_t body_length,
@@ -107,13 +113,16 @@ cdef inline size_t put_rndv(uint8_t* p, uint64_t msg_id, uint32_t index, uint64_
 
 
 cdef inline size_t put_hello(uint8_t* p, uint32_t max_recv, uint32_t credits,
-                             uint64_t max_message) noexcept nogil:
+                             uint64_t max_message, uint32_t max_rendezvous,
+                             uint32_t max_chunks) noexcept nogil:
     put_header(p, F_HELLO, 0, HELLO_BODY, 0, 0, 0)
     p += FRAME_HEADER
     memset(p, 0, HELLO_BODY)
     wr32(p, max_recv)
     wr32(p + 4, credits)
     wr64(p + 8, max_message)
+    wr32(p + 16, max_rendezvous)
+    wr32(p + 20, max_chunks)
     return FRAME_HEADER + HELLO_BODY
 
 
@@ -181,7 +190,9 @@ cdef inline int parse_frame(const uint8_t* p, size_t avail, frame_t* f,
         f.hello_max_recv = rd32(b)
         f.hello_credits = rd32(b + 4)
         f.hello_max_message = rd64(b + 8)
-        if rd64(b + 16) != 0 or rd64(b + 24) != 0:
+        f.hello_max_rendezvous = rd32(b + 16)
+        f.hello_max_chunks = rd32(b + 20)
+        if rd64(b + 24) != 0:
             error[0] = "malformed HELLO frame"
             return -1
     else:

@@ -39,9 +39,10 @@ def encode_rndv(uint64_t msg_id, uint64_t index, uint64_t total, uint64_t offset
     return bytes(out)
 
 
-def encode_hello(uint64_t max_recv, uint64_t credits, uint64_t max_message):
+def encode_hello(uint64_t max_recv, uint64_t credits, uint64_t max_message,
+                 uint32_t max_rendezvous=0, uint32_t max_chunks=0):
     cdef uint8_t buf[FRAME_HEADER + HELLO_BODY]
-    put_hello(buf, <uint32_t>max_recv, <uint32_t>credits, max_message)
+    put_hello(buf, <uint32_t>max_recv, <uint32_t>credits, max_message, max_rendezvous, max_chunks)
     return (<char*>buf)[:FRAME_HEADER + HELLO_BODY]
 
 
@@ -66,7 +67,8 @@ def decode(data):
                      rkey=bytes(view[pos + FRAME_HEADER + RNDV_FIXED: pos + used]))
         elif f.type == F_HELLO:
             d.update(max_recv=f.hello_max_recv, credits_offered=f.hello_credits,
-                     max_message=f.hello_max_message)
+                     max_message=f.hello_max_message, max_rendezvous=f.hello_max_rendezvous,
+                     max_chunks=f.hello_max_chunks)
         out.append(d)
         pos += used
     return out

@@ -11,8 +11,9 @@
 # hold it:
 #
 #   preamble, 48 bytes: "FBAU" | u8 version 1 | u8 role (0 connector,
-#       1 acceptor) | u8 flags (1: has a key) | u8 0 | char[8] fabric name |
-#       32-byte nonce (getrandom)
+#       1 acceptor) | u8 flags (1: has a key; 2, acceptor only: at its
+#       max_connections, turning this one away) | u8 0 | char[8] fabric
+#       name | 32-byte nonce (getrandom)
 #   MAC, 32 bytes: HMAC-SHA256(key, "fabric-auth/1" | u8 role of the sender |
 #       connector's preamble | acceptor's preamble)
 #
@@ -49,6 +50,7 @@ cdef enum:
     AUTH_MAC = 32
     AUTH_VERSION = 1
     AUTH_HAS_KEY = 1
+    AUTH_FULL = 2
     ROLE_CONNECTOR = 0
     ROLE_ACCEPTOR = 1
     AS_PREAMBLE = 1         # exchanging preambles
@@ -137,6 +139,15 @@ cdef int auth_check_preamble(ep_t* ep, auth_t* a) noexcept nogil:
     cdef char theirs_name[9]
     cdef char ours_name[9]
     cdef int peer_has_key = a.theirs[6] & AUTH_HAS_KEY
+    if a.ours[6] & AUTH_FULL:
+        snprintf(why, 200, "turned away: this listener is at its connection limit (max_connections=%u)",
+                 w.opts.max_connections)
+        ep_fail(ep, ECONNREFUSED_, why)
+        return -1
+    if a.role == ROLE_CONNECTOR and a.theirs[6] & AUTH_FULL:
+        ep_fail(ep, ECONNREFUSED_, "the listener turned the connection away: it is at its connection "
+                                   "limit (its max_connections)")
+        return -1
     if a.theirs[4] != AUTH_VERSION:
         snprintf(why, 200, "the peer speaks connection preamble version %d, this fabric version %d",
                  <int>a.theirs[4], <int>AUTH_VERSION)
@@ -225,6 +236,7 @@ cdef void auth_progress(ep_t* ep) noexcept nogil:
             return
         if a.stage == AS_PREAMBLE:
             if a.role == ROLE_ACCEPTOR:
+                listener_admit(ep)
                 # answer even a preamble we refuse: the connector then says why
                 auth_queue(a, a.ours, AUTH_PREAMBLE)
                 a.answered = monotonic_now()

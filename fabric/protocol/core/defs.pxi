@@ -33,6 +33,7 @@ cdef enum:
     EBUSY_ = 16          # another receive is in progress
     EACCES_ = 13         # the peer refused a read, or offered a bad region
     EKEYREJECTED_ = 129  # authentication failed (AuthenticationError)
+    ECONNREFUSED_ = 111  # a listener at max_connections turned the connection away
 
 cdef enum:
     CREDIT_RESERVE = 2      # credits kept for control frames
@@ -48,6 +49,7 @@ cdef enum:
 cdef enum:
     FAULT_BAD_KEY = 1      # announce chunks with a forged remote key
     FAULT_BAD_RANGE = 2    # announce chunks at an address past their region
+    FAULT_FLOOD = 3        # ignore the peer's max_rendezvous and chunks_in_flight
 
 # Test-only stage faults (FABRIC_FAULT_INJECT=<action>@<stage>[:<n>]): this
 # Fabric's process dies (SIGKILL, no clean-up at all) or its endpoint sends a

@@ -43,6 +43,11 @@ cdef int on_hello(ep_t* ep, frame_t* f) noexcept nogil:
     ep.peer_credits = <int>f.hello_credits
     ep.peer_max_recv = f.hello_max_recv
     ep.peer_max_message = f.hello_max_message
+    # what the peer accepts in flight (0: an older peer that did not say)
+    ep.peer_max_rendezvous = f.hello_max_rendezvous if f.hello_max_rendezvous else ep.w.opts.max_rendezvous
+    ep.peer_max_chunks = f.hello_max_chunks if f.hello_max_chunks else ep.w.opts.chunks_in_flight
+    if ep.w.opts.fault == FAULT_FLOOD:          # test-only: a peer that ignores both
+        ep.peer_max_rendezvous = ep.peer_max_chunks = 0xFFFFFFFFU
     ep.slab_cap = slab_size_for(&ep.w.opts, f.hello_max_recv)
     ep.eager_limit = eager_limit_for(&ep.w.opts, ep.slab_cap)
     ep.state = EP_OPEN
@@ -82,6 +87,7 @@ cdef void ep_settle(ep_t* ep) noexcept nogil:
     ep.state = EP_DEAD
     err = ep.err
     touch(ep.w, &ep.node)
+    listener_release(ep)
     auth_free(ep)
     if ep.ch != NULL:
         if ep.ch.fd >= 0:
@@ -100,11 +106,13 @@ cdef void ep_settle(ep_t* ep) noexcept nogil:
     fail_op_list(ep, ep.zc_out, err)
     fail_op_list(ep, ep.rndv_out, err)
     ep.sendq_head = ep.sendq_tail = ep.zc_out = ep.rndv_out = NULL
+    ep.rndv_out_count = 0
     # Incomplete rendezvous messages are lost with the connection; complete
     # messages before the first incomplete one stay receivable, in order.
     while ep.rndv_in != NULL:
         m = ep.rndv_in
         ep.rndv_in = m.rnext
+        ep.rndv_in_count -= 1
         m.in_rndv = 0
         while m.descs != NULL:
             d = m.descs
@@ -141,7 +149,8 @@ cdef void send_hello(ep_t* ep) noexcept nogil:
     if ep.w.opts.fault_stage == FS_HELLO and fault_fires(ep, FS_HELLO):
         send_garbage(ep)          # instead of HELLO
         return
-    put_hello(ep.hello, <uint32_t>max_recv, ep.w.opts.credits, ep.w.opts.max_message)
+    put_hello(ep.hello, <uint32_t>max_recv, ep.w.opts.credits, ep.w.opts.max_message,
+              ep.w.opts.max_rendezvous, ep.w.opts.chunks_in_flight)
     v.iov_base = ep.hello
     v.iov_len = FRAME_HEADER + HELLO_BODY
     if not (ep.ch.caps & FAB_CAP_SEND_ANY_MEMORY):
@@ -271,6 +280,29 @@ cdef void progress_listener(lst_t* l) noexcept nogil:
         progress_ep(ep)
     listener_sweep(l)
 
+cdef void listener_admit(ep_t* ep) noexcept nogil:
+    """A connection that delivered its preamble takes a place among its
+    listener's max_connections, or is marked to be turned away (the flag in
+    our answer tells the connector why)."""
+    cdef lst_t* l = ep.listener
+    if l == NULL:
+        return
+    if l.nconnections >= l.w.opts.max_connections:
+        ep.auth.ours[6] |= AUTH_FULL
+        return
+    l.nconnections += 1
+    ep.admitted_by = l.node.key
+
+cdef void listener_release(ep_t* ep) noexcept nogil:
+    """The connection gives back its place (closed, failed or refused)."""
+    cdef node_t* node
+    if ep.admitted_by == 0:
+        return
+    node = node_lookup(ep.w, ep.admitted_by)
+    ep.admitted_by = 0
+    if node != NULL and node.kind == KIND_LST and (<lst_t*>node).nconnections > 0:
+        (<lst_t*>node).nconnections -= 1
+
 cdef void listener_disarm(lst_t* l, double until, int out_of_fds) noexcept nogil:
     """Take the listening socket out of the epoll set until `until` (or,
     when the table is full, until a pending handshake ends)."""
@@ -380,7 +412,7 @@ cdef void listener_sweep(lst_t* l) noexcept nogil:
             l.ready_tail = ep
             touch(l.w, &l.node)
         else:
-            if ep.err == EKEYREJECTED_ or (ep.err == EPROTO and ep.ch == NULL):
+            if ep.err == EKEYREJECTED_ or ep.err == ECONNREFUSED_ or (ep.err == EPROTO and ep.ch == NULL):
                 l.refused += 1
                 snprintf(l.last_refusal, 200, "%s: %s", ep.peer_name, ep.error)
             ep.listener = NULL

@@ -51,8 +51,15 @@ cdef class Listener:
     @property
     def refused(self):
         """Connections refused before they reached accept() because their
-        peer failed authentication or did not speak fabric's preamble."""
+        peer failed authentication or did not speak fabric's preamble, or
+        turned away at max_connections."""
         return self.l.refused if self.l != NULL else 0
+
+    @property
+    def connections(self):
+        """Connections this listener admitted that are neither closed nor
+        dead (at most max_connections; more are turned away)."""
+        return self.l.nconnections if self.l != NULL else 0
 
     @property
     def evicted(self):

@@ -49,6 +49,7 @@ cdef int opts_from(dict options, opts_t* o) except -1:
     o.eager_limit = int(options["eager_limit"])
     o.chunk_size = int(options["chunk_size"])
     o.chunks_in_flight = int(options["chunks_in_flight"])
+    o.max_rendezvous = int(options.get("max_rendezvous", 64))
     o.coalesce_limit = int(options["coalesce_limit"])
     o.credits = int(options["credits"])
     o.recv_budget = int(options["recv_budget"])
@@ -58,6 +59,7 @@ cdef int opts_from(dict options, opts_t* o) except -1:
     o.spin_max = float(options.get("spin_max_us", 0)) * 1e-6
     o.handshake_timeout = float(options["handshake_timeout"])
     o.max_pending = max_pending_for(int(options.get("max_pending_handshakes", 1024)))
+    o.max_connections = int(options.get("max_connections", 4096))
     o.close_linger = float(options["close_linger"])
     o.progress_thread = int(options.get("progress_thread", 1))
     o.native_min = int(options.get("native_min", 0))
@@ -76,19 +78,19 @@ cdef uint32_t max_pending_for(int wanted):
 
 
 cdef int parse_fault(str text, opts_t* o) except -1:
-    """FABRIC_FAULT_INJECT (tests only): bad_key, bad_range, or
+    """FABRIC_FAULT_INJECT (tests only): bad_key, bad_range, flood, or
     <die|garbage>@<hello|rndv|pull|chunk_done|batch|close>[:<n>]."""
     o.fault = o.fault_action = o.fault_stage = 0
     o.fault_count = 1
     if not text:
         return 0
-    if text in ("bad_key", "bad_range"):
-        o.fault = FAULT_BAD_KEY if text == "bad_key" else FAULT_BAD_RANGE
+    if text in ("bad_key", "bad_range", "flood"):
+        o.fault = {"bad_key": FAULT_BAD_KEY, "bad_range": FAULT_BAD_RANGE, "flood": FAULT_FLOOD}[text]
         return 0
     action, at, rest = text.partition("@")
     stage, colon, count = rest.partition(":")
     if not at or action not in FAULT_ACTIONS or stage not in FAULT_STAGES or (colon and not count.isdigit()):
-        raise ValueError(f"FABRIC_FAULT_INJECT={text!r}: use bad_key, bad_range, or "
+        raise ValueError(f"FABRIC_FAULT_INJECT={text!r}: use bad_key, bad_range, flood, or "
                          f"<{'|'.join(FAULT_ACTIONS)}>@<{'|'.join(FAULT_STAGES)}>[:<n>]")
     o.fault_action = FAULT_ACTIONS[action]
     o.fault_stage = FAULT_STAGES[stage]

@@ -47,6 +47,7 @@ cdef void rndv_unlink(ep_t* ep, inmsg_t* m) noexcept nogil:
     while p[0] != NULL:
         if p[0] == m:
             p[0] = m.rnext
+            ep.rndv_in_count -= 1
             break
         p = &p[0].rnext
     m.in_rndv = 0
@@ -67,6 +68,7 @@ cdef void rndv_check(ep_t* ep, inmsg_t* m) noexcept nogil:
             d = m.descs
             m.descs = d.next
             chunk_done(ep, m.msg_id, d.index, 1)
+            m.ndescs -= 1
             release_budget(ep, sizeof(desc_t) + d.rkey_len)
             m.charge -= sizeof(desc_t) + d.rkey_len
             free(d)
@@ -126,6 +128,7 @@ cdef void on_read_done(ep_t* ep, desc_t* d, int status) noexcept nogil:
     else:
         m.received += d.length
     chunk_done(ep, m.msg_id, d.index, status < 0)
+    m.ndescs -= 1
     release_budget(ep, sizeof(desc_t) + d.rkey_len)
     m.charge -= sizeof(desc_t) + d.rkey_len
     free(d)
@@ -302,6 +305,10 @@ cdef int on_rndv(ep_t* ep, frame_t* f) noexcept nogil:
         if f.total > ep.w.opts.max_message:
             ep_fail(ep, EPROTO, "peer announced a message larger than max_message")
             return -1
+        if ep.rndv_in_count >= ep.w.opts.max_rendezvous:
+            ep_fail(ep, EPROTO, "peer announced more rendezvous messages than this end accepts in "
+                                "flight (max_rendezvous)")
+            return -1
         ep.next_in_id += 1
         m = <inmsg_t*>calloc(1, sizeof(inmsg_t))
         if m == NULL:
@@ -316,6 +323,7 @@ cdef int on_rndv(ep_t* ep, frame_t* f) noexcept nogil:
         m.in_rndv = 1
         m.rnext = ep.rndv_in
         ep.rndv_in = m
+        ep.rndv_in_count += 1
     else:
         m = ep.rndv_in
         while m != NULL and m.msg_id != f.msg_id:
@@ -329,6 +337,10 @@ cdef int on_rndv(ep_t* ep, frame_t* f) noexcept nogil:
         chunk_done(ep, m.msg_id, f.aux, 1)
         rndv_check(ep, m)
         return 0
+    if m.ndescs >= ep.w.opts.chunks_in_flight:
+        ep_fail(ep, EPROTO, "peer announced more chunks of a message than this end accepts "
+                            "unanswered (chunks_in_flight)")
+        return -1
     size = sizeof(desc_t) + f.rkey_len
     d = <desc_t*>malloc(size)
     if d == NULL:
@@ -353,6 +365,7 @@ cdef int on_rndv(ep_t* ep, frame_t* f) noexcept nogil:
     while tail[0] != NULL:
         tail = &tail[0].next
     tail[0] = d
+    m.ndescs += 1
     m.charge += size
     ep.inbuf_bytes += size
     if m.bound:

@@ -219,6 +219,7 @@ cdef void rndv_try_finish(ep_t* ep, sendop_t* op) noexcept nogil:
         p = &p[0].next
     if p[0] != NULL:
         p[0] = op.next
+        ep.rndv_out_count -= 1
         op_finish(ep, op, EACCES_ if op.any_failed else 0)
 
 cdef void announce_faulty(ep_t* ep, sendop_t* op, uint8_t* room, fab_mr* mr, size_t length) noexcept nogil:
@@ -242,19 +243,23 @@ cdef int announce_more(ep_t* ep, sendop_t* op) noexcept nogil:
     while op.announced < op.nchunks:
         if op.window_index[op.announced % ep.w.opts.chunks_in_flight] != NO_CHUNK:
             break
+        if op.announced - op.acked >= ep.peer_max_chunks:
+            break           # the peer accepts no more unanswered chunks per message
         if announce_chunk(ep, op, 0) != 0:
             return -1
         made = 1
     return made
 
 cdef int start_rndv(ep_t* ep, sendop_t* op) noexcept nogil:
-    """Announce the first chunk. -1 failed, 0 started, 1 no slab free yet,
-    2 too many chunks."""
+    """Announce the first chunk. -1 failed, 0 started, 1 wait (no slab free
+    yet, or the peer's max_rendezvous are in flight), 2 too many chunks."""
     cdef uint32_t w = ep.w.opts.chunks_in_flight
     cdef uint32_t i
     cdef uint64_t nchunks = 0
     cdef size_t limit
     cdef int rc
+    if ep.rndv_out_count >= ep.peer_max_rendezvous:
+        return 1            # one finishing makes room (ep_flush runs frame_queue again)
     op.native = uses_native(ep, op.total)
     limit = chunk_limit(ep, op)
     for i in range(<uint32_t>op.nseg):
@@ -323,6 +328,7 @@ cdef int frame_queue(ep_t* ep) noexcept nogil:
             op.state = OP_RNDV
             op.next = ep.rndv_out
             ep.rndv_out = op
+            ep.rndv_out_count += 1
     maybe_put_close(ep)
     return 0
 
