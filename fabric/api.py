@@ -111,6 +111,13 @@ class Fabric:
     def closed(self) -> bool:
         return self._worker.closed
 
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes of received messages not yet taken by the application, over
+        every endpoint (kept within the total_recv_budget option, plus what
+        each peer's credits carry)."""
+        return self._worker.buffered_bytes
+
     def __enter__(self) -> Self:
         return self
 

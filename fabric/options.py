@@ -11,6 +11,7 @@ variables and per-Fabric keyword arguments, in increasing order of precedence.
 | coalesce          | FABRIC_COALESCE             | 1: pack small messages queued while the fabric is busy into one send; 0: one send per message (for measuring what coalescing gains) |
 | credits           | FABRIC_CREDITS              | receive buffers each endpoint offers its peer (flow control) |
 | recv_budget       | FABRIC_RECV_BUDGET          | bytes of not-yet-received messages an endpoint buffers before it stops returning credits |
+| total_recv_budget | FABRIC_TOTAL_RECV_BUDGET    | the same over every endpoint of a Fabric together: past it an endpoint holding unreceived messages returns no credits (its sender waits) and nothing is pulled ahead; one whose application took everything gets its credits back, so no endpoint starves behind another's backlog |
 | send_buffers      | FABRIC_SEND_BUFFERS         | coalescing buffers per endpoint (bounds the sender's copies) |
 | max_message       | FABRIC_MAX_MESSAGE          | largest message accepted from a peer |
 | spin_us           | FABRIC_SPIN_US              | microseconds of busy polling before a wait blocks |
@@ -51,6 +52,7 @@ KNOBS = {
     "coalesce": ("int", 0, 1),
     "credits": ("int", 4, 65536),
     "recv_budget": ("size", 0, 1 << 62),
+    "total_recv_budget": ("size", 0, 1 << 62),
     "send_buffers": ("int", 1, 1 << 20),
     "max_message": ("size", 1, 1 << 62),
     "spin_us": ("float", 0, 1e6),
@@ -76,6 +78,7 @@ HELP = {
     "coalesce": "1: pack small messages queued while the fabric is busy into one send; 0: one send per message",
     "credits": "receive buffers each endpoint offers its peer (flow control)",
     "recv_budget": "bytes of unreceived messages buffered before credits stop being returned",
+    "total_recv_budget": "the same over all endpoints of a Fabric together",
     "send_buffers": "coalescing buffers per endpoint",
     "max_message": "largest message accepted from a peer",
     "spin_us": "microseconds of busy polling before a wait blocks",
@@ -99,6 +102,7 @@ COMMON_DEFAULTS = {
     "coalesce": 1,
     "credits": 32,
     "recv_budget": 64 << 20,
+    "total_recv_budget": 1 << 30,
     "send_buffers": 16,
     "max_message": 1 << 40,
     "spin_us": 50.0,

@@ -715,6 +715,58 @@ def test_peer_offering_a_bad_key_or_range(backend_name, peer_factory, fault):
     lst.close()
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fault", ["foreign_key", "stale_key"])
+def test_a_key_of_another_connection_or_of_a_released_chunk_reads_nothing(backend_name, monkeypatch, fault):
+    """A remote key is valid only for the chunk it was announced for, on the
+    connection it was announced on, while that chunk is in flight. A peer
+    announcing another connection's live chunk, or a chunk released after
+    its message completed, gets nothing: the read fails with a fabric
+    error, no byte of the other region arrives, the other connection
+    carries on."""
+    if backend_name == "ucx":
+        pytest.skip("not enforceable on ucx: its shared-memory GET (cma) reads any address of a same-host, "
+                    "same-user peer whatever the rkey, and its network transports take large messages by "
+                    "UCX's own rendezvous (no fabric keys); README, Security")
+    monkeypatch.setenv("FABRIC_FAULT_INJECT", fault)
+    hostile = fabric.Fabric(backend_name, **small_options())
+    monkeypatch.delenv("FABRIC_FAULT_INJECT")
+    victim = fabric.Fabric(backend_name, **small_options(recv_budget=0))   # pulls nothing ahead
+    try:
+        c1, s1 = connect_pair(hostile, victim)
+        c2, s2 = connect_pair(hostile, victim)
+        first = b"A" * (3 * CHUNK)
+        kept = []                                  # buffers stay alive: no address is reused
+        if fault == "foreign_key":
+            pending = c1.isend(first)              # announced on connection 1, not pulled yet
+            deadline = time.monotonic() + 10
+            while c1.stats()["chunks_announced"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        else:
+            done = c2.isend(first)                 # completes; its chunks are released
+            assert bytes(s2.recv(timeout=30)) == first
+            done.wait(timeout=30)
+            kept.append(first)
+        second = b"B" * (3 * CHUNK)
+        forged = c2.isend(second)
+        started = time.monotonic()
+        with pytest.raises((fabric.RemoteAccessError, fabric.ConnectionLost)):
+            got = s2.recv(timeout=30)
+            assert got != first, "read another region through a key it was not offered"
+        assert time.monotonic() - started < 30
+        with pytest.raises(fabric.FabricError):
+            forged.wait(timeout=30)
+        if fault == "foreign_key":
+            assert bytes(s1.recv(timeout=30)) == first       # connection 1 is unharmed
+            pending.wait(timeout=30)
+        else:
+            c1.send(b"still here")
+            assert bytes(s1.recv(timeout=30)) == b"still here"
+    finally:
+        hostile.close(linger=0)
+        victim.close(linger=0)
+
+
 @pytest.mark.parametrize("credits", [4, 5, 8])
 def test_idle_endpoints_send_nothing(backend_name, credits):
     """Credits owed only for CREDIT frames do not earn a CREDIT of their own:

@@ -180,3 +180,51 @@ def test_a_storm_of_connects_past_max_connections_from_asyncio(backend_name):
             a.close(linger=0)
             b.close(linger=0)
     asyncio.run(main())
+
+
+@pytest.mark.timeout(180)
+def test_the_fabric_wide_receive_budget_holds_many_senders_back(backend_name):
+    """Eight connections each send 400 KB that nobody receives yet: the
+    receiving Fabric buffers about total_recv_budget (plus what each peer's
+    credits carry), not the 3.2 MB that the per-endpoint budgets would let
+    in; a ninth connection whose application keeps receiving is not starved
+    by that backlog; then everything arrives, in order."""
+    opts = dict(recv_budget=1 << 20, total_recv_budget=256 << 10)
+    a = fabric.Fabric(backend_name, **small_options())
+    b = fabric.Fabric(backend_name, **small_options(**opts))
+    lst = b.listen()
+    try:
+        pairs = []
+        for i in range(9):
+            client = a.connect(lst.address, timeout=10)
+            client.send(b"%d" % i)
+            pairs.append(client)
+        servers = [None] * 9
+        for _ in range(9):
+            s = lst.accept(timeout=10)
+            servers[int(bytes(s.recv(timeout=10)))] = s
+        sends = [c.isend(b"%d:%d:" % (i, k) + bytes(2000)) for i, c in enumerate(pairs[:8]) for k in range(200)]
+        last, stable = -1, 0
+        while stable < 5:                         # until the buffered bytes stop growing
+            time.sleep(0.05)
+            now = b.buffered_bytes
+            stable = stable + 1 if now == last else 0
+            last = now
+        slab = small_options()["coalesce_limit"] + 4096
+        bound = opts["total_recv_budget"] + 8 * small_options()["credits"] * slab
+        assert 0 < b.buffered_bytes <= bound < 8 * 200 * 2000, (b.buffered_bytes, bound)
+
+        quick = pairs[8]
+        for k in range(300):                      # the ninth connection carries on meanwhile
+            quick.send(b"q%d" % k)
+            assert bytes(servers[8].recv(timeout=20)) == b"q%d" % k
+
+        for i, s in enumerate(servers[:8]):
+            for k in range(200):
+                assert bytes(s.recv(timeout=30))[:12].startswith(b"%d:%d:" % (i, k))
+        for r in sends:
+            r.wait(timeout=30)
+        assert b.buffered_bytes == 0
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)

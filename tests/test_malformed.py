@@ -237,3 +237,21 @@ def test_answers_queued_when_a_chunk_is_released_never_send_reused_memory(served
             answers += 1
     raw.close()
     assert_listener_works(fab, lst, accepted)
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_ignoring_flow_control_is_cut_off(served):
+    """Every fabric message costs the sender a credit the receiver offered:
+    a peer sending past its credits (here 100 messages against 8, none
+    returned) would make the receiver buffer without bound; it is cut off."""
+    fab, lst, accepted = served
+    raw, ep = raw_peer_and_its_endpoint(lst, accepted)
+    raw.sock.sendall(b"".join(wire(MSG, frame.encode_eager(i + 1, b"m" * 1000)) for i in range(100)))
+    got = 0
+    with pytest.raises(fabric.ProtocolError, match="credits"):
+        for _ in range(100):
+            ep.recv(timeout=10)
+            got += 1
+    assert got <= small_options()["credits"]
+    raw.close()
+    assert_listener_works(fab, lst, accepted)

@@ -1,6 +1,6 @@
 # cython: language_level=3
 """Socket helpers shared by the TCP-based backends and bootstraps."""
-from libc.string cimport memset
+from libc.string cimport memset, strcmp, strncmp
 from fabric._posix cimport *
 
 
@@ -41,6 +41,29 @@ cdef void local_and_peer_names(int fd, char* local, char* peer, size_t n) noexce
     sl = sizeof(ss)
     if getpeername(fd, <sockaddr*>&ss, &sl) == 0:
         format_name(<sockaddr*>&ss, sl, peer, n)
+
+
+cdef int numeric_host(sockaddr* sa, socklen_t salen, char* out) noexcept nogil:
+    return getnameinfo(sa, salen, out, NI_MAXHOST, NULL, 0, NI_NUMERICHOST)
+
+
+cdef int peer_on_this_host(int fd) noexcept nogil:
+    """1 if the connected socket's peer is on this host: a loopback address,
+    or the very address of our end. Unlike anything the peer says about
+    itself, a remote host cannot fake this on an established TCP connection
+    (its packets must come from, and its answers reach, the address)."""
+    cdef sockaddr_storage ss
+    cdef socklen_t sl = sizeof(ss)
+    cdef char local[NI_MAXHOST]
+    cdef char peer[NI_MAXHOST]
+    if getpeername(fd, <sockaddr*>&ss, &sl) != 0 or numeric_host(<sockaddr*>&ss, sl, peer) != 0:
+        return 0
+    if strncmp(peer, "127.", 4) == 0 or strcmp(peer, "::1") == 0 or strncmp(peer, "::ffff:127.", 11) == 0:
+        return 1
+    sl = sizeof(ss)
+    if getsockname(fd, <sockaddr*>&ss, &sl) != 0 or numeric_host(<sockaddr*>&ss, sl, local) != 0:
+        return 0
+    return strcmp(local, peer) == 0
 
 
 cdef int accept_socket(int lfd) noexcept nogil:

@@ -42,6 +42,7 @@ from fabric._posix cimport *
 from fabric._bytes cimport wr16, wr32, wr64, rd16, rd32, rd64
 from fabric.backends.interface cimport *
 from fabric.backends.bootstrap cimport *
+from fabric.backends.sockets cimport peer_on_this_host
 
 cdef extern from "ucx_shim.h" nogil:
     ctypedef int ucs_status_t
@@ -609,8 +610,11 @@ cdef int boot_step(ucx_chan* ch) noexcept nogil:
     # peer); two processes of one host that both offer NONE use them, and
     # learn of a dead peer from the bootstrap socket, as with UCX_TLS=sm.
     peer_errors = ch.dom.peer_errors and (rd16(head + 6) & BOOT_PEER_ERRORS)
+    # The host identity is what the peer says (it can echo ours); that its
+    # socket comes from this host it cannot fake, and both ends see the same.
     if (peer_errors and ch.dom.local_none and (rd16(head + 6) & BOOT_LOCAL_NONE)
-            and memcmp(head + BOOT_HOST, ch.dom.host_id, HOST_ID) == 0):
+            and memcmp(head + BOOT_HOST, ch.dom.host_id, HOST_ID) == 0
+            and peer_on_this_host(ch.boot.sock)):
         peer_errors = 0
         # shared memory's GET (cma) is real: the engine may pull again (its
         # pulls fail cleanly with the peer, UCX's rendezvous sends would not)

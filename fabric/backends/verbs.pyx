@@ -122,7 +122,6 @@ cdef uint64_t WR_READ = 1ULL << 62
 cdef struct vb_domain:
     fab_hub hub                 # first: the engine's view (completion channel fd)
     ibv_context* ctx
-    ibv_pd* pd
     ibv_comp_channel* cc        # every CQ of the domain reports here
     int port
     int gid_index
@@ -142,6 +141,7 @@ cdef struct vb_deferred:
 cdef struct vb_chan:
     fab_channel base
     vb_domain* dom
+    ibv_pd* pd                  # the connection's own: its keys are valid on its QP only
     ibv_cq* cq
     ibv_qp* qp
     uint32_t max_inline
@@ -177,7 +177,6 @@ cdef void domain_unref(vb_domain* d) noexcept nogil:
     if domain_unref_last(&d.refs):
         if d.cc != NULL:
             ibv_destroy_comp_channel(d.cc)
-        ibv_dealloc_pd(d.pd)
         ibv_close_device(d.ctx)
         free(d)
 
@@ -318,7 +317,7 @@ cdef int vb_reg(fab_channel* fch, void* addr, size_t length, fab_mr* mr, int rem
         return -ENOMEM
     # only a rendezvous chunk is readable by the peer; slabs, HELLO and receive
     # destinations are for our own sends and reads
-    cdef ibv_mr* ib = ibv_reg_mr(ch.dom.pd, addr, length,
+    cdef ibv_mr* ib = ibv_reg_mr(ch.pd, addr, length,
                                  IBV_ACCESS_LOCAL_WRITE | (IBV_ACCESS_REMOTE_READ if remote else 0))
     if ib == NULL:
         free(node)
@@ -477,6 +476,8 @@ cdef void vb_close(fab_channel* fch) noexcept nogil:
         free(node)
     if ch.rmr != NULL:
         ibv_dereg_mr(ch.rmr)
+    if ch.pd != NULL:
+        ibv_dealloc_pd(ch.pd)      # after its QP and every registration in it
     free(ch.rbuf)
     free(ch.repost)
     boot_close(&ch.boot, fch)
@@ -518,11 +519,18 @@ cdef fab_channel* new_channel(void* domain, int sock, size_t max_recv, uint32_t 
     if ch.cq == NULL:
         fab_fail(&ch.base, errno if errno else ENOMEM, "ibv_create_cq")
         return &ch.base
-    ch.qp = fab_ib_create_qp(d.pd, ch.cq, SEND_DEPTH + READ_DEPTH, depth, 256, &ch.max_inline)
+    # A protection domain per connection: a remote key works only on QPs of
+    # its PD, so a key announced on one connection is useless on another
+    # (the device checks it; one PD per Fabric would accept it on any QP)
+    ch.pd = ibv_alloc_pd(d.ctx)
+    if ch.pd == NULL:
+        fab_fail(&ch.base, errno if errno else ENOMEM, "ibv_alloc_pd")
+        return &ch.base
+    ch.qp = fab_ib_create_qp(ch.pd, ch.cq, SEND_DEPTH + READ_DEPTH, depth, 256, &ch.max_inline)
     if ch.qp == NULL:
         fab_fail(&ch.base, errno if errno else ENOMEM, "ibv_create_qp")
         return &ch.base
-    ch.rmr = ibv_reg_mr(d.pd, ch.rbuf, depth * max_recv, IBV_ACCESS_LOCAL_WRITE)
+    ch.rmr = ibv_reg_mr(ch.pd, ch.rbuf, depth * max_recv, IBV_ACCESS_LOCAL_WRITE)
     if ch.rmr == NULL or fab_ib_qp_init(ch.qp, d.port) != 0:
         fab_fail(&ch.base, errno if errno else EIO_, "preparing the queue pair")
         return &ch.base
@@ -667,14 +675,8 @@ cdef class VerbsBackend(Backend):
         if d.ctx == NULL:
             free(d)
             raise OSError(f"cannot open RDMA device {dev}")
-        d.pd = ibv_alloc_pd(d.ctx)
-        if d.pd == NULL:
-            ibv_close_device(d.ctx)
-            free(d)
-            raise OSError(f"cannot allocate a protection domain on {dev}")
         d.cc = ibv_create_comp_channel(d.ctx)
         if d.cc == NULL:
-            ibv_dealloc_pd(d.pd)
             ibv_close_device(d.ctx)
             free(d)
             raise OSError(f"cannot create a completion channel on {dev}")

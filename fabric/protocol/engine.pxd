@@ -13,6 +13,7 @@ cdef struct opts_t:
     size_t coalesce_limit       # largest fabric message (coalescing buffer)
     uint32_t credits            # receive buffers offered to the peer
     size_t recv_budget          # bytes of unreceived messages buffered per endpoint
+    size_t total_recv_budget    # ... by all endpoints of the worker together
     uint32_t send_buffers       # coalescing buffers per endpoint
     uint64_t max_message        # largest message accepted from a peer
     double spin                 # seconds of busy polling before blocking
@@ -199,6 +200,8 @@ cdef struct ep_t:
     int fault_stage_due         # fault injection: a stage reached, fires once its frame is posted
     uint64_t fault_seq          #   ... once data slab fault_seq is posted (0: the next control slab)
     int own_regions             # registrations of the endpoint's own buffers (slabs, HELLO)
+    fab_mr fault_stale          # FAULT_STALE_KEY: a chunk's registration as it was before release
+    int fault_has_stale
     uint64_t seq_sealed
     uint64_t seq_posted
     sendop_t* sendq_head
@@ -257,6 +260,7 @@ cdef struct lst_t:
 
 cdef struct worker_t:
     pthread_mutex_t lock
+    size_t inbuf_total          # sum of the endpoints' inbuf_bytes (total_recv_budget)
     pthread_cond_t cond
     int epfd
     int polling

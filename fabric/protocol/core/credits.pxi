@@ -8,6 +8,11 @@
 # and CLOSE always get through. A receiver holding more than recv_budget
 # bytes of unreceived messages keeps the credits of new ones (held) until the
 # application receives: a fast sender cannot make it buffer without bound.
+# total_recv_budget does the same for all endpoints of a worker together; an
+# endpoint whose application took every message gets its credits back even
+# then, so a backlog elsewhere never starves it (beyond the budget, each
+# endpoint buffers at most what its peer's credits carry). A peer sending
+# past its credits is cut off (on_fabric_msg).
 # Invariant: credits are conserved: peer_credits + in flight + c2r + held
 # equals what was offered.
 
@@ -20,8 +25,19 @@ cdef inline uint16_t take_credits(ep_t* ep) noexcept nogil:
         ep.c2r_quiet = ep.c2r
     return <uint16_t>c
 
+cdef inline void charge_budget(ep_t* ep, size_t charge) noexcept nogil:
+    ep.inbuf_bytes += charge
+    ep.w.inbuf_total += charge
+
+cdef inline bint over_budget(ep_t* ep, size_t more) noexcept nogil:
+    """Would `more` buffered bytes put ep or its worker past their budget?"""
+    return (ep.inbuf_bytes + more > ep.w.opts.recv_budget
+            or ep.w.inbuf_total + more > ep.w.opts.total_recv_budget)
+
 cdef void release_budget(ep_t* ep, size_t charge) noexcept nogil:
     ep.inbuf_bytes -= charge
-    if ep.held and ep.inbuf_bytes <= ep.w.opts.recv_budget:
+    ep.w.inbuf_total -= charge
+    if ep.held and ep.inbuf_bytes <= ep.w.opts.recv_budget and (
+            ep.w.inbuf_total <= ep.w.opts.total_recv_budget or ep.inq_head == NULL):
         ep.c2r += ep.held
         ep.held = 0

@@ -50,6 +50,8 @@ cdef enum:
     FAULT_BAD_KEY = 1      # announce chunks with a forged remote key
     FAULT_BAD_RANGE = 2    # announce chunks at an address past their region
     FAULT_FLOOD = 3        # ignore the peer's max_rendezvous and chunks_in_flight
+    FAULT_FOREIGN_KEY = 4  # announce another connection's live chunk (its address and key)
+    FAULT_STALE_KEY = 5    # announce a chunk released after an earlier message completed
 
 # Test-only stage faults (FABRIC_FAULT_INJECT=<action>@<stage>[:<n>]): this
 # Fabric's process dies (SIGKILL, no clean-up at all) or its endpoint sends a

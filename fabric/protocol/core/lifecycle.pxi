@@ -139,6 +139,7 @@ cdef void ep_settle(ep_t* ep) noexcept nogil:
             n = m.next
             m.in_inq = 0
             ep.inbuf_bytes -= m.charge
+            ep.w.inbuf_total -= m.charge
             inmsg_maybe_free(m)
             m = n
     ep_deliver(ep)
@@ -243,6 +244,8 @@ cdef void ep_free(ep_t* ep) noexcept nogil:
     q_remove(&ep.w.touched, &ep.node.touched)
     while ep.inq_head != NULL:
         inq_pop(ep)
+    ep.w.inbuf_total -= ep.inbuf_bytes     # whatever is still charged (none, normally)
+    ep.inbuf_bytes = 0
     if ep.posted.result != NULL:
         free(ep.posted.result)
     free(ep.stash_data)

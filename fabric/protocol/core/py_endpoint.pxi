@@ -124,7 +124,7 @@ cdef int unpost(ep_t* ep) noexcept nogil:
                 m.data = nb
                 m.own_data = 1
                 m.charge += m.total
-                ep.inbuf_bytes += m.total
+                charge_budget(ep, m.total)
                 if m.received < m.total:
                     issue_reads(ep, m)
     if p.result != NULL:

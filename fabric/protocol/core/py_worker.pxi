@@ -53,6 +53,7 @@ cdef int opts_from(dict options, opts_t* o) except -1:
     o.coalesce_limit = int(options["coalesce_limit"])
     o.credits = int(options["credits"])
     o.recv_budget = int(options["recv_budget"])
+    o.total_recv_budget = int(options.get("total_recv_budget", 1 << 30))
     o.send_buffers = int(options["send_buffers"])
     o.max_message = int(options["max_message"])
     o.spin = float(options["spin_us"]) * 1e-6
@@ -78,19 +79,22 @@ cdef uint32_t max_pending_for(int wanted):
 
 
 cdef int parse_fault(str text, opts_t* o) except -1:
-    """FABRIC_FAULT_INJECT (tests only): bad_key, bad_range, flood, or
+    """FABRIC_FAULT_INJECT (tests only): bad_key, bad_range, flood,
+    foreign_key, stale_key, or
     <die|garbage>@<hello|rndv|pull|chunk_done|batch|close>[:<n>]."""
     o.fault = o.fault_action = o.fault_stage = 0
     o.fault_count = 1
     if not text:
         return 0
-    if text in ("bad_key", "bad_range", "flood"):
-        o.fault = {"bad_key": FAULT_BAD_KEY, "bad_range": FAULT_BAD_RANGE, "flood": FAULT_FLOOD}[text]
+    faults = {"bad_key": FAULT_BAD_KEY, "bad_range": FAULT_BAD_RANGE, "flood": FAULT_FLOOD,
+              "foreign_key": FAULT_FOREIGN_KEY, "stale_key": FAULT_STALE_KEY}
+    if text in faults:
+        o.fault = faults[text]
         return 0
     action, at, rest = text.partition("@")
     stage, colon, count = rest.partition(":")
     if not at or action not in FAULT_ACTIONS or stage not in FAULT_STAGES or (colon and not count.isdigit()):
-        raise ValueError(f"FABRIC_FAULT_INJECT={text!r}: use bad_key, bad_range, flood, or "
+        raise ValueError(f"FABRIC_FAULT_INJECT={text!r}: use bad_key, bad_range, flood, foreign_key, stale_key, or "
                          f"<{'|'.join(FAULT_ACTIONS)}>@<{'|'.join(FAULT_STAGES)}>[:<n>]")
     o.fault_action = FAULT_ACTIONS[action]
     o.fault_stage = FAULT_STAGES[stage]
@@ -214,6 +218,12 @@ cdef class Worker:
     @property
     def closed(self):
         return self.w == NULL or self.w.closed != 0
+
+    @property
+    def buffered_bytes(self):
+        """Bytes of received messages the application has not taken yet,
+        over every endpoint (held within total_recv_budget)."""
+        return self.w.inbuf_total if self.w != NULL else 0
 
     @property
     def authenticates(self):

@@ -246,11 +246,11 @@ cdef void pull_ahead(ep_t* ep) noexcept nogil:
     cdef inmsg_t* m = ep.inq_head
     while m != NULL:
         if m.rndv and not m.bound and not m.failed:
-            if ep.inbuf_bytes + m.total > ep.w.opts.recv_budget:
+            if over_budget(ep, m.total):
                 return
             if bind_rndv(ep, m, NULL) < 0:
                 return
-            ep.inbuf_bytes += m.total
+            charge_budget(ep, m.total)
             m.charge += m.total
             if not ep.peer_closed:
                 return
@@ -286,7 +286,7 @@ cdef int on_eager(ep_t* ep, frame_t* f) noexcept nogil:
     m.own_data = 1
     m.received = m.total
     m.charge = f.body_length + sizeof(inmsg_t)
-    ep.inbuf_bytes += m.charge
+    charge_budget(ep, m.charge)
     inq_append(ep, m)
     return 0
 
@@ -318,7 +318,7 @@ cdef int on_rndv(ep_t* ep, frame_t* f) noexcept nogil:
         m.rndv = 1
         m.total = f.total
         m.charge = sizeof(inmsg_t)
-        ep.inbuf_bytes += m.charge
+        charge_budget(ep, m.charge)
         inq_append(ep, m)
         m.in_rndv = 1
         m.rnext = ep.rndv_in
@@ -367,7 +367,7 @@ cdef int on_rndv(ep_t* ep, frame_t* f) noexcept nogil:
     tail[0] = d
     m.ndescs += 1
     m.charge += size
-    ep.inbuf_bytes += size
+    charge_budget(ep, size)
     if m.bound:
         return issue_reads(ep, m)
     return 0
@@ -387,6 +387,9 @@ cdef int on_chunk_done(ep_t* ep, frame_t* f) noexcept nogil:
         ep_fail(ep, EPROTO, "peer acknowledged a chunk that is not in flight")
         return -1
     if not op.native:
+        if ep.w.opts.fault == FAULT_STALE_KEY and not ep.fault_has_stale:
+            ep.fault_stale = op.window[slot]     # (a copy: its fields stay, the region goes)
+            ep.fault_has_stale = 1
         ep.ch.ops.dereg(ep.ch, &op.window[slot])
     op.window_index[slot] = NO_CHUNK
     op.acked += 1
@@ -406,6 +409,12 @@ cdef int on_fabric_msg(ep_t* ep, const uint8_t* data, size_t length) noexcept no
     cdef frame_t f
     cdef const char* error = NULL
     ep.fabric_recvs += 1
+    if ep.state == EP_OPEN and ep.c2r + ep.held >= ep.w.opts.credits:
+        # every message after HELLO costs the peer one of the credits we
+        # offered, back only once we return it: a peer past them ignores
+        # flow control (and would make us buffer without bound)
+        ep_fail(ep, EPROTO, "peer sent more fabric messages than it had credits for")
+        return -1
     while pos < length:
         used = parse_frame(data + pos, length - pos, &f, &error)
         if used < 0:
@@ -446,7 +455,7 @@ cdef int on_fabric_msg(ep_t* ep, const uint8_t* data, size_t length) noexcept no
         if only_credits:
             ep.c2r += 1       # no data held: back at once, but not worth a CREDIT of its own
             ep.c2r_quiet += 1
-        elif has_data and ep.inbuf_bytes > ep.w.opts.recv_budget:
+        elif has_data and over_budget(ep, 0):
             # Bound the peer: its credit comes back when the app receives.
             # Only messages carrying data: holding the credits of RNDV
             # announcements would stall the rendezvous that the buffered

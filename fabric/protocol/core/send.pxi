@@ -226,14 +226,45 @@ cdef void announce_faulty(ep_t* ep, sendop_t* op, uint8_t* room, fab_mr* mr, siz
     """Test-only: behave like a broken or hostile peer (FABRIC_FAULT_INJECT)."""
     cdef uint8_t key[MAX_RKEY]
     cdef uint64_t raddr = mr.addr
+    cdef uint32_t key_len = mr.rkey_len
+    cdef fab_mr* other
     memcpy(key, mr.rkey, mr.rkey_len)
     if ep.w.opts.fault == FAULT_BAD_KEY:
         key[0] ^= 0x5A
         key[mr.rkey_len - 1] ^= 0xA5
-    else:
+    elif ep.w.opts.fault == FAULT_BAD_RANGE:
         raddr += length            # just past the registered region
+    elif ep.w.opts.fault == FAULT_FLOOD:
+        pass
+    else:
+        other = &ep.fault_stale if ep.fault_has_stale else NULL
+        if ep.w.opts.fault == FAULT_FOREIGN_KEY:
+            other = live_chunk_elsewhere(ep)
+        if other != NULL and other.length >= length:
+            raddr = other.addr
+            key_len = other.rkey_len
+            memcpy(key, other.rkey, key_len)
     put_rndv(room, op.msg_id, op.announced, op.total, op.msg_off, raddr,
-             <uint32_t>length, key, mr.rkey_len)
+             <uint32_t>length, key, key_len)
+
+cdef fab_mr* live_chunk_elsewhere(ep_t* ep) noexcept nogil:
+    """Test-only: a chunk another endpoint of this worker has announced and
+    not yet seen pulled (NULL if none)."""
+    cdef uint32_t i, s
+    cdef ep_t* other
+    cdef sendop_t* op
+    for i in range(ep.w.nslots):
+        if ep.w.slots[i] == NULL or ep.w.slots[i].kind != KIND_EP or ep.w.slots[i] == &ep.node:
+            continue
+        other = <ep_t*>ep.w.slots[i]
+        op = other.rndv_out
+        while op != NULL:
+            if not op.native:
+                for s in range(ep.w.opts.chunks_in_flight):
+                    if op.window_index[s] != NO_CHUNK:
+                        return &op.window[s]
+            op = op.next
+    return NULL
 
 cdef int announce_more(ep_t* ep, sendop_t* op) noexcept nogil:
     """Keep chunks_in_flight chunks announced once the first one is posted."""
