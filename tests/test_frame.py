@@ -36,10 +36,18 @@ def test_rndv_round_trip(msg_id, index, raddr, rkey, total, data):
         "RNDV", msg_id, index, total, offset, raddr, length, rkey)
 
 
-@given(max_recv=U32, credits=U32, max_message=U64)
-def test_hello_round_trip(max_recv, credits, max_message):
-    (f,) = frame.decode(frame.encode_hello(max_recv, credits, max_message))
-    assert (f["max_recv"], f["credits_offered"], f["max_message"]) == (max_recv, credits, max_message)
+@given(max_recv=U32, credits=U32, max_message=U64, max_rendezvous=U32, max_chunks=U32)
+def test_hello_round_trip(max_recv, credits, max_message, max_rendezvous, max_chunks):
+    (f,) = frame.decode(frame.encode_hello(max_recv, credits, max_message, max_rendezvous, max_chunks))
+    assert (f["max_recv"], f["credits_offered"], f["max_message"], f["max_rendezvous"], f["max_chunks"]) == (
+        max_recv, credits, max_message, max_rendezvous, max_chunks)
+
+
+def test_the_hellos_last_eight_bytes_must_be_zero():
+    blob = bytearray(frame.encode_hello(70000, 8, 1 << 20, 64, 2))
+    blob[-1] = 1
+    with pytest.raises(ProtocolError, match="HELLO"):
+        frame.decode(bytes(blob))
 
 
 def test_several_frames_in_one_fabric_message():
