@@ -19,11 +19,8 @@ Per backend, side by side in one run:
 from __future__ import annotations
 
 import argparse
-import hashlib
-import hmac
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -32,27 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fabric  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from hostile import CONNECTOR, mac, preamble, raw_connect as raw, read_exactly as read  # noqa: E402
+
 KEY = b"bench key, 32 bytes long.......!"
-
-
-def raw(address):
-    host, port = address.rsplit(":", 1)
-    s = socket.create_connection((host.strip("[]"), int(port)), timeout=10)
-    s.settimeout(10)
-    return s
-
-
-def read(s, n):
-    out = b""
-    while len(out) < n:
-        try:
-            got = s.recv(n - len(out))
-        except OSError:
-            break
-        if not got:
-            break
-        out += got
-    return out
 
 
 def connect_times(name, key, n):
@@ -72,10 +52,6 @@ def connect_times(name, key, n):
         a.close(linger=0)
         b.close(linger=0)
     return statistics.median(times)
-
-
-def preamble(name, has_key):
-    return b"FBAU" + bytes([1, 0, int(has_key), 0]) + name.encode().ljust(8, b"\0") + os.urandom(32)
 
 
 def strangers(name):
@@ -101,10 +77,10 @@ def strangers(name):
                 except OSError:
                     pass
         s = raw(lst.address)                      # one good session, recorded
-        p_c = preamble(name, True)
+        p_c = preamble(CONNECTOR, True, name)
         s.sendall(p_c)
         p_a = read(s, 48)
-        recorded = hmac.new(KEY, b"fabric-auth/1\0" + p_c + p_a, hashlib.sha256).digest()
+        recorded = mac(KEY, CONNECTOR, p_c, p_a)
         s.sendall(recorded)
         read(s, 32)
         s.close()

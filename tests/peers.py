@@ -8,6 +8,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fabric  # noqa: E402
+import hostile  # noqa: E402 (tests/, this script's directory)
 
 SMALL = dict(eager_limit=4096, chunk_size=16384, chunks_in_flight=3, coalesce_limit=8192,
              credits=8, send_buffers=4, recv_budget=1 << 20, spin_us=20)
@@ -187,35 +188,15 @@ def faulty(backend, address, scenario):
 
 # ------------------------------------------------- hostile or dying peers (issue 15)
 
-AUTH_LABEL = b"fabric-auth/1"
-
-
-def _preamble(role, backend):
-    return b"FBAU" + bytes([1, role, 1, 0]) + backend.encode().ljust(8, b"\0") + os.urandom(32)
-
-
-def _read_exactly(s, n):
-    out = b""
-    while len(out) < n:
-        got = s.recv(n - len(out))
-        if not got:
-            raise SystemExit("peer closed early")
-        out += got
-    return out
-
-
 def half_mac(backend, address, key_hex):
     """Connect with the key, send the preamble and half of a valid MAC, then
     wait to be killed in the middle of the exchange."""
-    import hmac
-    import socket
-    host, port = address.rsplit(":", 1)
-    s = socket.create_connection((host.strip("[]"), int(port)), timeout=30)
-    ours = _preamble(0, backend)
+    s = hostile.raw_connect(address, timeout=30)
+    ours = hostile.preamble(hostile.CONNECTOR, True, backend)
     s.sendall(ours)
-    theirs = _read_exactly(s, 48)
-    mac = hmac.new(bytes.fromhex(key_hex), AUTH_LABEL + b"\0" + ours + theirs, hashlib.sha256).digest()
-    s.sendall(mac[:16])
+    theirs = hostile.read_exactly(s, 48)
+    assert len(theirs) == 48
+    s.sendall(hostile.mac(bytes.fromhex(key_hex), hostile.CONNECTOR, ours, theirs)[:16])
     say("half sent")
     time.sleep(60)
 
@@ -229,9 +210,9 @@ def half_mac_listener(backend):
     lst.listen(4)
     say("127.0.0.1:%d" % lst.getsockname()[1])
     s, _ = lst.accept()
-    _read_exactly(s, 48)
-    s.sendall(_preamble(1, backend))
-    _read_exactly(s, 32)
+    assert len(hostile.read_exactly(s, 48)) == 48
+    s.sendall(hostile.preamble(hostile.ACCEPTOR, True, backend))
+    assert len(hostile.read_exactly(s, 32)) == 32
     say("got its mac")
     time.sleep(60)
 

@@ -6,8 +6,6 @@ raw sockets play the hostile peers, since every fabric starts on TCP."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import os
 import socket
 import stat
@@ -23,6 +21,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import fabric
 from fabric import auth
 from conftest import ROOT, connect_pair, small_options
+from hostile import ACCEPTOR, CONNECTOR, MAGIC, mac, preamble, raw_connect, read_exactly
 
 KEY = b"an example key of 32 bytes, ok.."
 
@@ -32,46 +31,6 @@ KEY = b"an example key of 32 bytes, ok.."
 host_only = pytest.mark.skipif(os.environ.get("FABRIC_TEST_BACKENDS") == "verbs",
                                reason="backend-independent: the host runs it (the guest runs the verbs tests)")
 OTHER = b"another key, also long enough..."
-
-MAGIC = b"FBAU"
-LABEL = b"fabric-auth/1"
-CONNECTOR, ACCEPTOR = 0, 1
-
-
-def preamble(role, has_key, backend, nonce=None):
-    """The 48-byte preamble, as fabric/protocol/core/auth.pxi specifies it."""
-    nonce = os.urandom(32) if nonce is None else nonce
-    return MAGIC + bytes([1, role, 1 if has_key else 0, 0]) + backend.encode().ljust(8, b"\0") + nonce
-
-
-def mac(key, sender, p_connector, p_acceptor):
-    return hmac.new(key, LABEL + bytes([sender]) + p_connector + p_acceptor, hashlib.sha256).digest()
-
-
-def host_port(address):
-    host, port = address.rsplit(":", 1)
-    return host.strip("[]"), int(port)
-
-
-def raw_connect(address, timeout=10.0):
-    s = socket.create_connection(host_port(address), timeout=timeout)
-    s.settimeout(timeout)
-    return s
-
-
-def read_exactly(s, n):
-    """n bytes, or fewer if the peer closed first."""
-    out = b""
-    while len(out) < n:
-        try:
-            got = s.recv(n - len(out))
-        except (ConnectionResetError, socket.timeout):
-            break
-        if not got:
-            break
-        out += got
-    return out
-
 
 def wait_for(cond, timeout=10.0):
     end = time.monotonic() + timeout
