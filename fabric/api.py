@@ -13,6 +13,29 @@ from fabric.protocol.engine import Worker
 
 _log = logging.getLogger("fabric")
 
+# UCX transports whose remote reads and writes the NIC or the kernel bounds by
+# region and whose peers are on this host or on an RDMA fabric; tcp and ud
+# (and "all", or UCX_TLS unset, which include them) also accept UCX peers of
+# their own on sockets fabric's authentication never sees.
+_UCX_GUARDED = {"rc", "rc_v", "rc_x", "rc_mlx5", "dc", "dc_x", "dc_mlx5", "sm", "shm", "posix", "sysv",
+                "xpmem", "cma", "knem", "self", "ib", "cuda", "cuda_copy", "cuda_ipc", "rocm"}
+_ucx_warned = False
+
+
+def _warn_ucx_side_doors() -> None:
+    """Once per process: a key guards fabric's connections, not UCX's own."""
+    global _ucx_warned
+    tls = {t.strip().lstrip("^").split(":")[0] for t in os.environ.get("UCX_TLS", "").split(",") if t.strip()}
+    if _ucx_warned or (tls and tls <= _UCX_GUARDED and not os.environ.get("UCX_TLS", "").startswith("^")):
+        return
+    _ucx_warned = True
+    import warnings
+    warnings.warn("fabric: auth_key guards fabric's own connections; with UCX_TLS="
+                  f"{os.environ.get('UCX_TLS', '(unset)')} UCX also accepts peers of its own on its tcp/ud "
+                  "transports, which do not bound remote reads and writes by region. On a network you do not "
+                  "trust use the verbs or tcp fabric, or UCX_TLS=rc,sm (README, Security)",
+                  RuntimeWarning, stacklevel=3)
+
 if TYPE_CHECKING:
     from typing_extensions import Self
 
@@ -49,6 +72,8 @@ class Fabric:
         self._worker = Worker(self.backend, self.options, key, ssl)
         del key
         self.authenticated: bool = self._worker.authenticates
+        if self.authenticated and self.backend.name == "ucx":
+            _warn_ucx_side_doors()
         if _log.isEnabledFor(logging.INFO):
             profile = _options.profile_path()
             _log.info("Fabric on %s (%s)%s", self.backend.name, self.backend_reason,

@@ -707,3 +707,25 @@ def test_a_worker_refusing_its_key_closes_no_descriptor_it_does_not_own():
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                        timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+@host_only
+def test_a_keyed_ucx_fabric_warns_when_ucx_opens_doors_of_its_own(monkeypatch):
+    """With a key, ucx over transports that accept UCX peers of their own
+    (tcp, ud, or UCX_TLS unset) warns once; over rc/sm it does not."""
+    if not fabric.available_backends().get("ucx", (0,))[0]:
+        pytest.skip("ucx unavailable here")
+    from fabric import api
+    for tls, warns in (("sm", False), ("rc,sm", False), ("tcp", True), (None, True), ("^rc", True)):
+        monkeypatch.setattr(api, "_ucx_warned", False)
+        if tls is None:
+            monkeypatch.delenv("UCX_TLS", raising=False)
+        else:
+            monkeypatch.setenv("UCX_TLS", tls)
+        import warnings
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            fabric.Fabric("ucx", auth_key=KEY).close()
+            fabric.Fabric("ucx", auth_key=False).close()
+        hits = [w for w in seen if "UCX_TLS" in str(w.message)]
+        assert len(hits) == (1 if warns else 0), (tls, [str(w.message) for w in seen])
