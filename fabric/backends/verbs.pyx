@@ -109,6 +109,8 @@ cdef enum:
     BOOT_SIZE = 40
     ST_BOOT = 1
     ST_READY = 2
+    ST_RTS = 3                   # our QP is connected; the peer's may not be yet
+    BOOT_READY_BYTE = 0x52       # "R": sent on the bootstrap socket once our QP is RTR
     SEND_DEPTH = 64              # SEND work requests in flight
     READ_DEPTH = 64              # RDMA READs in flight (the device caps them further)
     STASH = 32
@@ -148,6 +150,8 @@ cdef struct vb_chan:
     uint32_t psn
     fab_boot boot               # the bootstrap socket, then the liveness monitor
     int state
+    int ready_sent              # our BOOT_READY_BYTE is out
+    int ready_heard             # the peer's is in
     unsigned int unacked
     char* rbuf
     ibv_mr* rmr
@@ -235,8 +239,6 @@ cdef int go_ready(vb_chan* ch) noexcept nogil:
     cdef int mtu = <uint8_t>bin[34]
     cdef uint32_t peer_rd = rd32(bin + 36)
     cdef uint32_t rd = d.max_rd_atomic
-    cdef vb_deferred* dq
-    cdef epoll_event ev
     cdef int rc
     memcpy(&lid, bin + 32, 2)
     if rd32(bin) != BOOT_MAGIC or rd32(bin + 4) != 1 or mtu < 1 or mtu > 5:
@@ -254,6 +256,38 @@ cdef int go_ready(vb_chan* ch) noexcept nogil:
     rc = fab_ib_qp_rts(ch.qp, ch.psn, rd)
     if rc != 0:
         return fab_fail(&ch.base, rc, "moving the queue pair to RTS failed")
+    # Nothing may be sent until the peer's QP can receive it: a SEND that
+    # reaches a QP not yet in RTR is dropped, and its retransmission waits for
+    # the ACK timeout (268 ms here). So each side says on the socket once its
+    # QP is ready, and posts only after hearing the peer's.
+    ch.state = ST_RTS
+    return ready_step(ch)
+
+cdef int ready_step(vb_chan* ch) noexcept nogil:
+    """Send our ready byte, take the peer's; then post the deferred sends."""
+    cdef vb_deferred* dq
+    cdef ssize_t r
+    cdef char c = BOOT_READY_BYTE
+    cdef int rc
+    if not ch.ready_sent:
+        r = send(ch.boot.sock, &c, 1, MSG_DONTWAIT | MSG_NOSIGNAL)
+        if r == 1:
+            ch.ready_sent = 1
+        elif errno != EAGAIN and errno != EINTR:
+            return fab_fail(&ch.base, errno, "bootstrap send")
+    if not ch.ready_heard:
+        r = recv(ch.boot.sock, &c, 1, MSG_DONTWAIT)
+        if r == 0:
+            return fab_fail(&ch.base, ECONNRESET, "peer closed the bootstrap connection")
+        if r < 0:
+            if errno == EAGAIN or errno == EINTR:
+                return 0
+            return fab_fail(&ch.base, errno, "bootstrap recv")
+        if c != BOOT_READY_BYTE:
+            return fab_fail(&ch.base, EPROTO, "peer is not a fabric verbs endpoint (bad bootstrap)")
+        ch.ready_heard = 1
+    if not ch.ready_sent:
+        return 0                  # ours goes when the socket takes it (vb_arm asks for EPOLLOUT)
     ch.state = ST_READY
     dq = <vb_deferred*>boot_next_deferred(&ch.boot)
     while dq != NULL:
@@ -267,7 +301,10 @@ cdef int go_ready(vb_chan* ch) noexcept nogil:
 cdef int boot_step(vb_chan* ch) noexcept nogil:
     """Exchange the fixed-size bootstrap messages; connect the QP once both
     are through. 0, or -errno."""
-    cdef int rc = boot_progress(&ch.boot, &ch.base, NULL)
+    cdef int rc
+    if ch.state == ST_RTS:
+        return ready_step(ch)
+    rc = boot_progress(&ch.boot, &ch.base, NULL)
     if rc <= 0:
         return rc
     boot_release(&ch.boot)      # the peer's message stays in boot.head
@@ -411,7 +448,7 @@ cdef int vb_poll(fab_channel* fch, fab_completion* out, int max_events) noexcept
                             ch.rmr.lkey, WR_RECV | ch.repost[k]) != 0 and not fch.failed:
             fab_fail(fch, EIO_, "ibv_post_recv")
     ch.nrepost = 0
-    if ch.state == ST_BOOT and not fch.failed:
+    if (ch.state == ST_BOOT or ch.state == ST_RTS) and not fch.failed:
         boot_step(ch)
     if ch.unacked >= 16:
         ibv_ack_cq_events(ch.cq, ch.unacked)
@@ -456,6 +493,8 @@ cdef int vb_arm(fab_channel* fch, uint32_t* events) noexcept nogil:
         ch.nstash = got
         return 1
     events[0] = boot_events(&ch.boot)
+    if ch.state == ST_RTS and not ch.ready_sent:
+        events[0] |= EPOLLOUT
     return 0
 
 cdef void vb_close(fab_channel* fch) noexcept nogil:
