@@ -3,7 +3,7 @@
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int64_t
 from cpython.buffer cimport Py_buffer
 from fabric._posix cimport pthread_mutex_t, pthread_cond_t, pthread_t
-from fabric.backends.interface cimport fab_channel, fab_listener, fab_mr, fab_hub, Backend
+from fabric.backends.interface cimport fab_channel, fab_listener, fab_mr, fab_hub, fab_attach, Backend
 
 cdef struct opts_t:
     size_t eager_limit          # largest message sent eagerly
@@ -224,7 +224,7 @@ cdef struct auth_t:
     # backend builds anything on it. Freed when it ends either way.
     int fd                      # owned until the channel takes it
     int role                    # ROLE_CONNECTOR / ROLE_ACCEPTOR
-    int stage                   # AS_PREAMBLE, AS_PEER_MAC, AS_SEND_MAC
+    int stage                   # AS_PREAMBLE, AS_PEER_MAC, AS_FLUSH
     int heard                   # bytes received from the peer (0: a silent connection)
     double answered             # acceptor: when its preamble went into the queue
     double started
@@ -235,11 +235,7 @@ cdef struct auth_t:
     uint32_t out_len
     uint32_t out_done
     uint32_t in_done            # of the preamble, then of the MAC
-    # connector: how to build the channel once the peer is authenticated
-    void* attach                # fab_attach_fn
-    void* attach_domain
-    uint32_t recv_depth
-    char host[256]              # the name connected to (TLS host name checks)
+    fab_attach attach           # connector: how to build the channel once the peer passed
 
 cdef struct lst_t:
     node_t node

@@ -86,10 +86,7 @@ cdef ep_t* ep_create_gated(worker_t* w, int fd, int role, fab_attach* attach, ls
     a.role = role
     a.stage = AS_PREAMBLE
     if attach != NULL:
-        a.attach = <void*>attach.attach
-        a.attach_domain = attach.domain
-        a.recv_depth = attach.recv_depth
-        memcpy(a.host, attach.host, 256)
+        a.attach = attach[0]
     format_peer(fd, ep.peer_name)
     memcpy(a.ours, AUTH_MAGIC, 4)
     a.ours[4] = AUTH_VERSION
@@ -279,7 +276,7 @@ cdef void auth_pass(ep_t* ep) noexcept nogil:
     if ep.listener != NULL:
         ch = ep.listener.fl.attach(ep.listener.fl, fd, our_max_recv(w))
     else:
-        ch = (<fab_attach_fn>a.attach)(a.attach_domain, fd, our_max_recv(w), a.recv_depth, a.host)
+        ch = a.attach.attach(a.attach.domain, fd, our_max_recv(w), a.attach.recv_depth, a.attach.host)
     auth_free(ep)
     if ch == NULL:
         ep_fail(ep, ENOMEM, "cannot set up the channel (out of memory or descriptors)")
