@@ -305,3 +305,41 @@ def test_configurations_fabric_refuses(pem):
             only_client.listen()
     finally:
         only_client.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_reset_peer_is_an_error_not_a_sigpipe(pem, tmp_path):
+    """A process that does not ignore SIGPIPE (Python does; a program that
+    embeds it need not) sends over TLS to a peer that reset the connection:
+    the send fails with ConnectionLost, the process is not killed."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    code = f"""
+import os, signal, ssl, sys, time
+sys.path.insert(0, {ROOT!r})
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+import fabric
+server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+server.load_cert_chain({pem['server_cert']!r}, {pem['server_key']!r})
+client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+client.load_verify_locations({pem['ca']!r})
+a = fabric.Fabric("tcp", ssl=client, progress_thread=0)
+b = fabric.Fabric("tcp", ssl=server)
+lst = b.listen()
+ep = a.connect(lst.address, timeout=10)
+peer = lst.accept(timeout=10)
+ep.send(b"x")
+peer.recv(timeout=10)
+b.close(linger=0)                      # the peer goes away
+time.sleep(0.2)
+try:
+    for _ in range(1000):
+        ep.send(bytes(3000))
+        time.sleep(0.001)
+except fabric.ConnectionLost:
+    print("ConnectionLost")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.strip() == "ConnectionLost"

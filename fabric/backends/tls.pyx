@@ -14,13 +14,13 @@ Without kernel TLS (this machine's kernel has no `tls` ULP) every byte is
 encrypted in user space: sends of up to 16 KiB are gathered into one TLS
 record, larger ones go record by record from the caller's memory.
 """
-from libc.stdint cimport uint64_t, uintptr_t
+from libc.stdint cimport uint64_t, uintptr_t, intptr_t
 from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memcpy, strlen
 from posix.uio cimport iovec
 from cpython.pycapsule cimport PyCapsule_New
 
-from fabric._posix cimport errno, EAGAIN, EPROTO, ECONNRESET, EPIPE, snprintf
+from fabric._posix cimport errno, EAGAIN, EINTR, EPROTO, ECONNRESET, EPIPE, snprintf
 
 cdef extern from *:
     """
@@ -28,6 +28,40 @@ cdef extern from *:
     static inline void fab_set_errno(int e) { errno = e; }
     """
     void set_errno "fab_set_errno"(int e) noexcept nogil
+
+cdef extern from "<sys/socket.h>" nogil:
+    ssize_t send(int fd, const void* buf, size_t n, int flags)
+    ssize_t recv(int fd, void* buf, size_t n, int flags)
+    enum:
+        MSG_NOSIGNAL
+
+cdef extern from "<openssl/bio.h>" nogil:
+    ctypedef struct BIO:
+        pass
+    ctypedef struct BIO_METHOD:
+        pass
+    ctypedef int (*bio_write_fn)(BIO* b, const char* data, int n) noexcept nogil
+    ctypedef int (*bio_read_fn)(BIO* b, char* out, int n) noexcept nogil
+    ctypedef long (*bio_ctrl_fn)(BIO* b, int cmd, long num, void* ptr) noexcept nogil
+    ctypedef int (*bio_create_fn)(BIO* b) noexcept nogil
+    int BIO_get_new_index()
+    BIO_METHOD* BIO_meth_new(int type, const char* name)
+    int BIO_meth_set_write(BIO_METHOD* m, bio_write_fn f)
+    int BIO_meth_set_read(BIO_METHOD* m, bio_read_fn f)
+    int BIO_meth_set_ctrl(BIO_METHOD* m, bio_ctrl_fn f)
+    int BIO_meth_set_create(BIO_METHOD* m, bio_create_fn f)
+    int BIO_meth_set_destroy(BIO_METHOD* m, bio_create_fn f)
+    BIO* BIO_new(const BIO_METHOD* m)
+    void BIO_set_data(BIO* b, void* ptr)
+    void* BIO_get_data(BIO* b)
+    void BIO_set_init(BIO* b, int init)
+    void BIO_clear_retry_flags(BIO* b)
+    void BIO_set_retry_read(BIO* b)
+    void BIO_set_retry_write(BIO* b)
+    enum:
+        BIO_TYPE_SOURCE_SINK
+        BIO_TYPE_DESCRIPTOR
+        BIO_CTRL_FLUSH
 
 cdef extern from "<arpa/inet.h>" nogil:
     int inet_pton(int af, const char* src, void* dst)
@@ -44,7 +78,7 @@ cdef extern from "<openssl/ssl.h>" nogil:
         pass
     SSL* SSL_new(SSL_CTX* ctx)
     void SSL_free(SSL* s)
-    int SSL_set_fd(SSL* s, int fd)
+    void SSL_set_bio(SSL* s, BIO* rbio, BIO* wbio)
     long SSL_set_mode(SSL* s, long mode)
     uint64_t SSL_set_options(SSL* s, uint64_t op)
     uint64_t SSL_CTX_get_options(const SSL_CTX* ctx)
@@ -143,11 +177,54 @@ cdef void describe(SSL* ssl, const char* what, char* error, size_t error_len) no
     ERR_clear_error()
 
 
+# The session's transport: the connection's socket, written with
+# MSG_NOSIGNAL. OpenSSL's own socket BIO uses write(), which raises SIGPIPE on
+# a connection the peer reset; Python ignores that signal, a program that
+# embeds it need not, and the signal would kill it.
+cdef int sock_write(BIO* b, const char* data, int n) noexcept nogil:
+    cdef ssize_t r = send(<int><intptr_t>BIO_get_data(b), data, <size_t>n, MSG_NOSIGNAL)
+    BIO_clear_retry_flags(b)
+    if r < 0 and (errno == EAGAIN or errno == EINTR):
+        BIO_set_retry_write(b)
+    return <int>r
+
+cdef int sock_read(BIO* b, char* out, int n) noexcept nogil:
+    cdef ssize_t r = recv(<int><intptr_t>BIO_get_data(b), out, <size_t>n, 0)
+    BIO_clear_retry_flags(b)
+    if r < 0 and (errno == EAGAIN or errno == EINTR):
+        BIO_set_retry_read(b)
+    return <int>r
+
+cdef long sock_ctrl(BIO* b, int cmd, long num, void* ptr) noexcept nogil:
+    return 1 if cmd == BIO_CTRL_FLUSH else 0      # nothing is buffered here
+
+cdef int sock_create(BIO* b) noexcept nogil:
+    BIO_set_init(b, 1)
+    return 1
+
+cdef int sock_destroy(BIO* b) noexcept nogil:
+    return 1                   # the channel owns (and closes) the socket
+
+cdef BIO_METHOD* socket_method():
+    cdef BIO_METHOD* m = BIO_meth_new(BIO_get_new_index() | BIO_TYPE_SOURCE_SINK | BIO_TYPE_DESCRIPTOR,
+                                      b"fabric socket")
+    if m != NULL:
+        BIO_meth_set_write(m, sock_write)
+        BIO_meth_set_read(m, sock_read)
+        BIO_meth_set_ctrl(m, sock_ctrl)
+        BIO_meth_set_create(m, sock_create)
+        BIO_meth_set_destroy(m, sock_destroy)
+    return m
+
+cdef BIO_METHOD* SOCKET_METHOD = socket_method()
+
+
 cdef void* tls_start(void* ssl_ctx, int fd, int server, const char* host, int check_hostname,
                      char* error, size_t error_len) noexcept nogil:
     cdef tls_session* t = <tls_session*>calloc(1, sizeof(tls_session))
     cdef unsigned char addr[16]
     cdef int is_ip = 0
+    cdef BIO* bio
     if t == NULL:
         snprintf(error, error_len, "TLS: out of memory")
         return NULL
@@ -159,10 +236,13 @@ cdef void* tls_start(void* ssl_ctx, int fd, int server, const char* host, int ch
         return NULL
     t.gather = <char*>malloc(GATHER)
     t.ssl = SSL_new(<SSL_CTX*>ssl_ctx)
-    if t.gather == NULL or t.ssl == NULL or SSL_set_fd(t.ssl, fd) != 1:
+    bio = BIO_new(SOCKET_METHOD) if SOCKET_METHOD != NULL and t.ssl != NULL else NULL
+    if t.gather == NULL or bio == NULL:
         describe(t.ssl, "TLS set-up", error, error_len)
         tls_free(t)
         return NULL
+    BIO_set_data(bio, <void*><intptr_t>fd)
+    SSL_set_bio(t.ssl, bio, bio)           # the session owns the BIO now
     SSL_set_mode(t.ssl, SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER)
     SSL_set_msg_callback(t.ssl, NULL)      # a _msg_callback set later on the context calls Python
     # a peer that dies without close_notify is a closed connection, not an error
