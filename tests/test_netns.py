@@ -68,3 +68,47 @@ def test_tcp_between_two_network_namespaces(namespaces):
         if server.poll() is None:
             server.kill()
         server.wait()
+
+
+LOCALITY = """
+import socket, sys
+from fabric.backends.sockets import _peer_on_this_host
+role, address = sys.argv[1], sys.argv[2]
+if role == "listen":
+    lst = socket.create_server((address, 0))
+    print(lst.getsockname()[1], flush=True)
+    conn, _ = lst.accept()
+    print(_peer_on_this_host(conn.fileno()), flush=True)
+    conn.recv(1)
+else:
+    host, port = address.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)))
+    print(_peer_on_this_host(s.fileno()), flush=True)
+    s.send(b"x")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_same_host_check_of_ucx_cannot_be_claimed_from_another_host(namespaces):
+    """ucx announces keys for its shared-memory pulls only to a peer on this
+    host, which it checks on the connection (loopback, or our own address),
+    not on what the peer says: across two network namespaces (two hosts, to
+    the network) both ends see a remote peer; over loopback both see a local
+    one."""
+    a, b = namespaces
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for listen_ns, connect_ns, host, expected in ((a, b, "198.18.0.1", "False"), (a, a, "127.0.0.1", "True"),
+                                                  (a, a, "198.18.0.1", "True")):
+        server = subprocess.Popen(["ip", "netns", "exec", listen_ns, sys.executable, "-c", LOCALITY, "listen", host],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            port = server.stdout.readline().strip()
+            assert port.isdigit(), server.stderr.read()
+            client = subprocess.run(["ip", "netns", "exec", connect_ns, sys.executable, "-c", LOCALITY, "connect",
+                                     f"{host}:{port}"], capture_output=True, text=True, timeout=30, env=env)
+            assert client.returncode == 0, client.stderr
+            out, err = server.communicate(timeout=30)
+            assert (client.stdout.strip(), out.strip()) == (expected, expected), (host, client.stdout, out, err)
+        finally:
+            if server.poll() is None:
+                server.kill()

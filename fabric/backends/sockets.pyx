@@ -198,3 +198,8 @@ cdef int connect_socket(str host, int port, double timeout) except -1:
             raise TimeoutError(f"connect to {host}:{port} timed out")
         raise ConnectionRefusedError(err, f"cannot connect to {host}:{port}: {strerror(err).decode()}")
     return fd
+
+
+def _peer_on_this_host(int fd):
+    """peer_on_this_host() for tests: is the connected socket's peer on this host?"""
+    return bool(peer_on_this_host(fd))
