@@ -6,6 +6,7 @@ FABRIC_FAULT_INJECT=flood to ignore what its peer declared."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import os
 import time
 
@@ -214,10 +215,23 @@ def test_the_fabric_wide_receive_budget_holds_many_senders_back(backend_name):
         bound = opts["total_recv_budget"] + 8 * small_options()["credits"] * slab
         assert 0 < b.buffered_bytes <= bound < 8 * 200 * 2000, (b.buffered_bytes, bound)
 
-        quick = pairs[8]
-        for k in range(300):                      # the ninth connection carries on meanwhile
+        # the ninth connection carries on meanwhile, its application waiting in
+        # recv_into() before each message arrives (such messages are never
+        # buffered at all, so nothing releases their credits later)
+        quick, got = pairs[8], []
+
+        def receive():
+            buf = bytearray(64)
+            for _ in range(300):
+                n = servers[8].recv_into(buf, timeout=20)
+                got.append(bytes(buf[:n]))
+        reader = threading.Thread(target=receive)
+        reader.start()
+        for k in range(300):
             quick.send(b"q%d" % k)
-            assert bytes(servers[8].recv(timeout=20)) == b"q%d" % k
+            time.sleep(0.0005)
+        reader.join(60)
+        assert got == [b"q%d" % k for k in range(300)]
 
         for i, s in enumerate(servers[:8]):
             for k in range(200):
@@ -226,5 +240,38 @@ def test_the_fabric_wide_receive_budget_holds_many_senders_back(backend_name):
             r.wait(timeout=30)
         assert b.buffered_bytes == 0
     finally:
+        a.close(linger=0)
+        b.close(linger=0)
+
+
+@pytest.mark.timeout(120)
+def test_strangers_cannot_fill_max_connections(backend_name):
+    """Only authenticated connections take a place: strangers that send a
+    valid preamble and never their MAC do not keep a keyed client out of a
+    listener with max_connections=2."""
+    from hostile import CONNECTOR, preamble, raw_connect
+    key = b"an example key of 32 bytes, ok.."
+    b = fabric.Fabric(backend_name, auth_key=key, **small_options(max_connections=2))
+    a = fabric.Fabric(backend_name, auth_key=key, **small_options())
+    lst = b.listen()
+    strangers = []
+    try:
+        for _ in range(5):
+            s = raw_connect(lst.address)
+            s.sendall(preamble(CONNECTOR, True, b.name))
+            strangers.append(s)
+        time.sleep(0.2)
+        assert lst.connections == 0
+        clients = [a.connect(lst.address, timeout=10) for _ in range(2)]
+        servers = [lst.accept(timeout=10) for _ in range(2)]
+        assert lst.connections == 2
+        with pytest.raises(fabric.ConnectionLost, match="connection limit"):
+            a.connect(lst.address, timeout=10)
+        for i, c in enumerate(clients):
+            c.send(b"%d" % i)
+        assert sorted(bytes(s.recv(timeout=10)) for s in servers) == [b"0", b"1"]
+    finally:
+        for s in strangers:
+            s.close()
         a.close(linger=0)
         b.close(linger=0)

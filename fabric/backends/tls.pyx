@@ -58,10 +58,15 @@ cdef extern from "<openssl/bio.h>" nogil:
     void BIO_clear_retry_flags(BIO* b)
     void BIO_set_retry_read(BIO* b)
     void BIO_set_retry_write(BIO* b)
+    void BIO_set_flags(BIO* b, int flags)
+    int BIO_test_flags(const BIO* b, int flags)
+    void BIO_free(BIO* b)
     enum:
         BIO_TYPE_SOURCE_SINK
         BIO_TYPE_DESCRIPTOR
         BIO_CTRL_FLUSH
+        BIO_CTRL_EOF
+        BIO_FLAGS_IN_EOF
 
 cdef extern from "<arpa/inet.h>" nogil:
     int inet_pton(int af, const char* src, void* dst)
@@ -193,10 +198,16 @@ cdef int sock_read(BIO* b, char* out, int n) noexcept nogil:
     BIO_clear_retry_flags(b)
     if r < 0 and (errno == EAGAIN or errno == EINTR):
         BIO_set_retry_read(b)
+    elif r == 0:
+        BIO_set_flags(b, BIO_FLAGS_IN_EOF)     # a peer's end, not an error (BIO_CTRL_EOF)
     return <int>r
 
 cdef long sock_ctrl(BIO* b, int cmd, long num, void* ptr) noexcept nogil:
-    return 1 if cmd == BIO_CTRL_FLUSH else 0      # nothing is buffered here
+    if cmd == BIO_CTRL_FLUSH:
+        return 1                                 # nothing is buffered here
+    if cmd == BIO_CTRL_EOF:
+        return 1 if BIO_test_flags(b, BIO_FLAGS_IN_EOF) else 0
+    return 0
 
 cdef int sock_create(BIO* b) noexcept nogil:
     BIO_set_init(b, 1)
@@ -239,6 +250,8 @@ cdef void* tls_start(void* ssl_ctx, int fd, int server, const char* host, int ch
     bio = BIO_new(SOCKET_METHOD) if SOCKET_METHOD != NULL and t.ssl != NULL else NULL
     if t.gather == NULL or bio == NULL:
         describe(t.ssl, "TLS set-up", error, error_len)
+        if bio != NULL:
+            BIO_free(bio)
         tls_free(t)
         return NULL
     BIO_set_data(bio, <void*><intptr_t>fd)

@@ -134,6 +134,7 @@ cdef enum:
     BOOT_FIXED = BOOT_HOST + HOST_ID
     BOOT_PEER_ERRORS = 1         # bootstrap flag: PEER error handling offered
     BOOT_LOCAL_NONE = 2          # flag: offers error mode NONE to a peer on this host
+    BOOT_SOCKET_LOCAL = 4        # flag: its socket says the peer is on this host
     MAX_ADDRESS = 65536
     ST_BOOT = 1
     ST_READY = 2
@@ -571,7 +572,8 @@ cdef int boot_make(ucx_chan* ch) noexcept nogil:
     wr32(out, BOOT_MAGIC)
     wr16(out + 4, BOOT_VERSION)
     wr16(out + 6, (BOOT_PEER_ERRORS if ch.dom.peer_errors else 0)
-                  | (BOOT_LOCAL_NONE if ch.dom.local_none else 0))
+                  | (BOOT_LOCAL_NONE if ch.dom.local_none else 0)
+                  | (BOOT_SOCKET_LOCAL if peer_on_this_host(ch.boot.sock) else 0))
     wr64(out + 8, ch.key)
     wr32(out + 16, <uint32_t>alen)
     memcpy(out + BOOT_HOST, ch.dom.host_id, HOST_ID)
@@ -585,7 +587,7 @@ cdef Py_ssize_t boot_header(fab_channel* fch, const char* head) noexcept nogil:
     cdef uint32_t alen = rd32(head + 16)
     if rd32(head) != BOOT_MAGIC or rd16(head + 4) != BOOT_VERSION:
         return fab_fail(fch, EPROTO, "peer is not a fabric ucx endpoint of this version (bad bootstrap)")
-    if rd16(head + 6) & ~(BOOT_PEER_ERRORS | BOOT_LOCAL_NONE):
+    if rd16(head + 6) & ~(BOOT_PEER_ERRORS | BOOT_LOCAL_NONE | BOOT_SOCKET_LOCAL):
         return fab_fail(fch, EPROTO, "peer sent unknown bootstrap flags")
     if alen == 0 or alen > MAX_ADDRESS:
         return fab_fail(fch, EPROTO, "peer sent an implausible UCX worker address")
@@ -611,10 +613,13 @@ cdef int boot_step(ucx_chan* ch) noexcept nogil:
     # learn of a dead peer from the bootstrap socket, as with UCX_TLS=sm.
     peer_errors = ch.dom.peer_errors and (rd16(head + 6) & BOOT_PEER_ERRORS)
     # The host identity is what the peer says (it can echo ours); that its
-    # socket comes from this host it cannot fake, and both ends see the same.
+    # socket comes from this host it cannot fake. Both ends must see that
+    # (address translation could show it to one end only), so each says what
+    # its socket showed and both require both: a lying peer can only make
+    # the connection take the network path.
     if (peer_errors and ch.dom.local_none and (rd16(head + 6) & BOOT_LOCAL_NONE)
             and memcmp(head + BOOT_HOST, ch.dom.host_id, HOST_ID) == 0
-            and peer_on_this_host(ch.boot.sock)):
+            and peer_on_this_host(ch.boot.sock) and (rd16(head + 6) & BOOT_SOCKET_LOCAL)):
         peer_errors = 0
         # shared memory's GET (cma) is real: the engine may pull again (its
         # pulls fail cleanly with the peer, UCX's rendezvous sends would not)

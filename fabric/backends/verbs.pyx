@@ -349,7 +349,10 @@ cdef int vb_send(fab_channel* fch, iovec* iov, fab_mr** mrs, int iovcnt, uint64_
 
 cdef int vb_reg(fab_channel* fch, void* addr, size_t length, fab_mr* mr, int remote) noexcept nogil:
     cdef vb_chan* ch = <vb_chan*>fch
-    cdef fab_regnode* node = <fab_regnode*>calloc(1, sizeof(fab_regnode))
+    cdef fab_regnode* node
+    if fch.failed or ch.pd == NULL:
+        return -(fch.failed or EIO_)     # a channel that failed while being set up has no PD
+    node = <fab_regnode*>calloc(1, sizeof(fab_regnode))
     if node == NULL:
         return -ENOMEM
     # only a rendezvous chunk is readable by the peer; slabs, HELLO and receive

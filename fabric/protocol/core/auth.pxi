@@ -27,7 +27,9 @@
 # preamble even when it refuses it, so the connector can say why). A refusal
 # closes the socket and tells the peer nothing more.
 #
-# A listener whose table of pending handshakes is full drops the oldest
+# A listener at its max_connections says so in its preamble and closes; only
+# authenticated connections take a place (lifecycle.pxi), so strangers cannot
+# fill it. A listener whose table of pending handshakes is full drops the oldest
 # connections that have not delivered their preamble yet (lifecycle.pxi); a
 # connector that loses its connection before any answer retries it (the
 # listener was busy, or a slow client lost its place), within its timeout.
@@ -233,7 +235,7 @@ cdef void auth_progress(ep_t* ep) noexcept nogil:
             return
         if a.stage == AS_PREAMBLE:
             if a.role == ROLE_ACCEPTOR:
-                listener_admit(ep)
+                listener_check_room(ep)
                 # answer even a preamble we refuse: the connector then says why
                 auth_queue(a, a.ours, AUTH_PREAMBLE)
                 a.answered = monotonic_now()
@@ -271,6 +273,8 @@ cdef void auth_pass(ep_t* ep) noexcept nogil:
     cdef worker_t* w = ep.w
     cdef fab_channel* ch
     cdef int fd = a.fd
+    if listener_take_place(ep) < 0:
+        return
     epoll_ctl(w.epfd, EPOLL_CTL_DEL, fd, NULL)
     a.fd = -1
     if ep.listener != NULL:

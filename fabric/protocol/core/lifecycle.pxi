@@ -283,18 +283,28 @@ cdef void progress_listener(lst_t* l) noexcept nogil:
         progress_ep(ep)
     listener_sweep(l)
 
-cdef void listener_admit(ep_t* ep) noexcept nogil:
-    """A connection that delivered its preamble takes a place among its
-    listener's max_connections, or is marked to be turned away (the flag in
-    our answer tells the connector why)."""
+cdef void listener_check_room(ep_t* ep) noexcept nogil:
+    """A connection that delivered its preamble to a listener at its
+    max_connections is marked to be turned away (the flag in our answer
+    tells the connector why)."""
+    cdef lst_t* l = ep.listener
+    if l != NULL and l.nconnections >= l.w.opts.max_connections:
+        ep.auth.ours[6] |= AUTH_FULL
+
+cdef int listener_take_place(ep_t* ep) noexcept nogil:
+    """An authenticated connection takes its place among the listener's
+    max_connections (a stranger never holds one); -1, the endpoint failed,
+    if others took the last places while it authenticated."""
     cdef lst_t* l = ep.listener
     if l == NULL:
-        return
+        return 0
     if l.nconnections >= l.w.opts.max_connections:
-        ep.auth.ours[6] |= AUTH_FULL
-        return
+        ep_fail(ep, ECONNREFUSED_, "turned away: the listener reached its connection limit "
+                                   "(max_connections) while this connection authenticated")
+        return -1
     l.nconnections += 1
     ep.admitted_by = l.node.key
+    return 0
 
 cdef void listener_release(ep_t* ep) noexcept nogil:
     """The connection gives back its place (closed, failed or refused)."""

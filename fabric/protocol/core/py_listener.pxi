@@ -57,8 +57,9 @@ cdef class Listener:
 
     @property
     def connections(self):
-        """Connections this listener admitted that are neither closed nor
-        dead (at most max_connections; more are turned away)."""
+        """Connections this listener admitted (authenticated) that are
+        neither closed nor dead (at most max_connections; more are turned
+        away)."""
         return self.l.nconnections if self.l != NULL else 0
 
     @property

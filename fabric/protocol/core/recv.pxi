@@ -58,6 +58,13 @@ cdef void chunk_done(ep_t* ep, uint64_t msg_id, uint32_t index, int failed) noex
         put_header(room, F_CHUNK_DONE, DONE_FAILED if failed else 0, 0, msg_id, index, 0)
         fault_due(ep, FS_CHUNK_DONE, 0)
 
+cdef inline void uncharge_desc(ep_t* ep, inmsg_t* m, desc_t* d) noexcept nogil:
+    """A chunk's record goes: its bytes leave the budget, unless the message
+    already left the queue (inq_pop released its whole charge then)."""
+    if m.in_inq:
+        release_budget(ep, sizeof(desc_t) + d.rkey_len)
+        m.charge -= sizeof(desc_t) + d.rkey_len
+
 cdef void rndv_check(ep_t* ep, inmsg_t* m) noexcept nogil:
     """A rendezvous message leaves the in-progress list when every chunk was
     announced and answered."""
@@ -69,8 +76,7 @@ cdef void rndv_check(ep_t* ep, inmsg_t* m) noexcept nogil:
             m.descs = d.next
             chunk_done(ep, m.msg_id, d.index, 1)
             m.ndescs -= 1
-            release_budget(ep, sizeof(desc_t) + d.rkey_len)
-            m.charge -= sizeof(desc_t) + d.rkey_len
+            uncharge_desc(ep, m, d)
             free(d)
     if m.in_rndv and m.next_offset == m.total and m.descs == NULL and m.reads == 0:
         rndv_unlink(ep, m)
@@ -129,8 +135,7 @@ cdef void on_read_done(ep_t* ep, desc_t* d, int status) noexcept nogil:
         m.received += d.length
     chunk_done(ep, m.msg_id, d.index, status < 0)
     m.ndescs -= 1
-    release_budget(ep, sizeof(desc_t) + d.rkey_len)
-    m.charge -= sizeof(desc_t) + d.rkey_len
+    uncharge_desc(ep, m, d)
     free(d)
     if m.dst_registered and m.reads == 0 and (m.failed or m.received == m.total):
         ep.ch.ops.dereg(ep.ch, &m.dst_mr)
@@ -202,7 +207,8 @@ cdef void match_posted(ep_t* ep) noexcept nogil:
                 return
         p.msg = m
     m = p.msg
-    if m.failed:
+    if m.failed and m.reads == 0:
+        # (not before its last read ended: it may still write into p.dst)
         p.done = 1
         p.err = EACCES_
         p.msg = NULL
@@ -246,7 +252,9 @@ cdef void pull_ahead(ep_t* ep) noexcept nogil:
     cdef inmsg_t* m = ep.inq_head
     while m != NULL:
         if m.rndv and not m.bound and not m.failed:
-            if over_budget(ep, m.total):
+            # (the head of the queue counts as nothing queued before it)
+            if ep.inbuf_bytes + m.total > ep.w.opts.recv_budget or (
+                    m != ep.inq_head and ep.w.inbuf_total + m.total > ep.w.opts.total_recv_budget):
                 return
             if bind_rndv(ep, m, NULL) < 0:
                 return
