@@ -197,7 +197,7 @@ VERBS_MSG = lambda magic=b"FIBV", version=1, mtu=3: (magic + _le(("I", version),
 BAD_BOOTSTRAPS = [
     ("ucx", b"XXXX" + UCX_HEAD()[4:], False, "peer is not a fabric ucx endpoint of this version (bad bootstrap)"),
     ("ucx", UCX_HEAD(version=2), False, "peer is not a fabric ucx endpoint of this version (bad bootstrap)"),
-    ("ucx", UCX_HEAD(flags=4), False, "peer sent unknown bootstrap flags"),
+    ("ucx", UCX_HEAD(flags=8), False, "peer sent unknown bootstrap flags"),
     ("ucx", UCX_HEAD(alen=0), False, "peer sent an implausible UCX worker address"),
     ("ucx", UCX_HEAD(alen=65537), False, "peer sent an implausible UCX worker address"),
     ("ucx", UCX_HEAD()[:30], True, "peer closed the bootstrap connection"),
