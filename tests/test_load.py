@@ -31,6 +31,8 @@ def test_load_many_connections_threads_and_loops_mixed(backend_name, request):
     assert report["registered_regions_at_end"] == 0, report
     before, after = report["domain_refs"]
     assert before == after, report            # every channel released its domain reference
-    assert report["fds_growth"] <= 0 and report["threads_growth"] == 0, report
+    # growth only: the count is of this whole process, where a thread of an
+    # earlier test (a collected Fabric's progress thread) may end meanwhile
+    assert report["fds_growth"] <= 0 and report["threads_growth"] <= 0, report
     # (glibc keeps some freed memory in its arenas; a leak per message would be far more)
     assert report["rss_growth"] < 128 << 20, report
