@@ -65,6 +65,16 @@ def fab(backend_name):
     return fabric.Fabric(backend_name, **small_options())
 
 
+def wait_for(cond, timeout=10.0):
+    """True once cond() holds, False if it did not within timeout seconds."""
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def connect_pair(fab_a, fab_b=None, address="127.0.0.1:0", timeout=10):
     """(client, server) endpoints; the handshake runs on both sides at once."""
     fab_b = fab_b or fab_a

@@ -13,7 +13,7 @@ import time
 import pytest
 
 import fabric
-from conftest import connect_pair, small_options
+from conftest import connect_pair, small_options, wait_for
 
 CHUNK = small_options()["chunk_size"]
 
@@ -96,15 +96,6 @@ def test_a_peer_announcing_past_the_limits_loses_its_connection(backend_name, mo
     finally:
         hostile.close(linger=0)
         victim.close(linger=0)
-
-
-def wait_for(cond, timeout=10.0):
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 @pytest.mark.timeout(120)

@@ -29,13 +29,13 @@ cdef inline void charge_budget(ep_t* ep, size_t charge) noexcept nogil:
     ep.inbuf_bytes += charge
     ep.w.inbuf_total += charge
 
-cdef inline bint over_budget(ep_t* ep, size_t more) noexcept nogil:
-    """Would `more` buffered bytes put ep past its budget, or (if it already
-    buffers something) its worker past the total? An endpoint with nothing
-    queued is never held back by the others' backlog: its credits come back
-    (release_budget) and it may pull one message ahead."""
+cdef inline bint over_budget(ep_t* ep, size_t more, bint others_queued) noexcept nogil:
+    """Would `more` buffered bytes put ep past its budget, or (if it buffers
+    other messages: others_queued) its worker past the total? An endpoint
+    with nothing else queued is never held back by the others' backlog: its
+    credits come back (release_budget) and it may pull one message ahead."""
     return (ep.inbuf_bytes + more > ep.w.opts.recv_budget
-            or (ep.inq_head != NULL and ep.w.inbuf_total + more > ep.w.opts.total_recv_budget))
+            or (others_queued and ep.w.inbuf_total + more > ep.w.opts.total_recv_budget))
 
 cdef void release_budget(ep_t* ep, size_t charge) noexcept nogil:
     ep.inbuf_bytes -= charge

@@ -252,9 +252,7 @@ cdef void pull_ahead(ep_t* ep) noexcept nogil:
     cdef inmsg_t* m = ep.inq_head
     while m != NULL:
         if m.rndv and not m.bound and not m.failed:
-            # (the head of the queue counts as nothing queued before it)
-            if ep.inbuf_bytes + m.total > ep.w.opts.recv_budget or (
-                    m != ep.inq_head and ep.w.inbuf_total + m.total > ep.w.opts.total_recv_budget):
+            if over_budget(ep, m.total, m != ep.inq_head):
                 return
             if bind_rndv(ep, m, NULL) < 0:
                 return
@@ -463,7 +461,7 @@ cdef int on_fabric_msg(ep_t* ep, const uint8_t* data, size_t length) noexcept no
         if only_credits:
             ep.c2r += 1       # no data held: back at once, but not worth a CREDIT of its own
             ep.c2r_quiet += 1
-        elif has_data and over_budget(ep, 0):
+        elif has_data and over_budget(ep, 0, ep.inq_head != NULL):
             # Bound the peer: its credit comes back when the app receives.
             # Only messages carrying data: holding the credits of RNDV
             # announcements would stall the rendezvous that the buffered
