@@ -75,6 +75,38 @@ def wait_for(cond, timeout=10.0):
     return True
 
 
+def unused_port():
+    """A port for another process to listen on, free on 127.0.0.1 and ::1.
+
+    Drawn below the kernel's ephemeral range: a port bound to 0 and handed on
+    can be taken, before its new owner binds it, as the local port of any
+    outgoing connection the parallel tests make (a CI run lost a torch store
+    to EADDRINUSE on ::1 that way)."""
+    import errno
+    import random
+    import socket
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        try:
+            for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+                with socket.socket(family) as s:
+                    try:
+                        s.bind((host, port))
+                    except OSError as e:
+                        if e.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                            raise       # in use; a host without IPv6 only checks IPv4
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
+
+
 def connect_pair(fab_a, fab_b=None, address="127.0.0.1:0", timeout=10):
     """(client, server) endpoints; the handshake runs on both sides at once."""
     fab_b = fab_b or fab_a

@@ -12,6 +12,8 @@ import tempfile
 
 import pytest
 
+from conftest import unused_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 pytestmark = [pytest.mark.timeout(900)]
@@ -147,15 +149,12 @@ def test_the_torch_extra_installs_a_tested_torch_and_runs_a_group(wheel):
     """With [torch], pip resolves a torch the backend is tested with (here the
     local CPU wheel) and two ranks all-reduce over init_process_group("fabric")."""
     import json
-    import socket
     local = "/opt/wheels"
     if not (os.path.isdir(local) and any(f.startswith("torch-2.13") for f in os.listdir(local))):
         pytest.skip("no local CPU wheel of torch 2.13 (/opt/wheels): PyPI's default torch is a 3 GB CUDA download")
     work, path = wheel
     python = _venv_with(work, "with-torch", f"{path}[torch]")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = unused_port()
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FABRIC_BACKEND="tcp",
                OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([python, "-c", TORCH_PROGRAM], env=dict(env, RANK=str(r)), cwd=work,

@@ -7,11 +7,12 @@ mid-collective, a timeout, destroy_process_group() cleaning up."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from conftest import unused_port
 
 torch = pytest.importorskip("torch", reason="torch is not installed (tools/setup.sh installs it only from a "
                                             "local CPU wheel; pip install fabric-transport[torch])")
@@ -23,14 +24,27 @@ IN_GUEST = os.environ.get("FABRIC_TEST_BACKENDS") == "verbs"
 HANG = 1500 if IN_GUEST else 300
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(backend_name, scenario, world, init="env", tmp_path=None, expect_exit=None, env=None):
-    port = free_port()
+    # torch's store binds the port itself, after we chose it: if something
+    # took it in between, choose again (the fabric is not involved yet).
+    for attempt in range(3):
+        try:
+            return _run_ranks_once(backend_name, scenario, world, init, tmp_path, expect_exit, env)
+        except StorePortTaken:
+            if attempt == 2:
+                raise
+
+
+class StorePortTaken(AssertionError):
+    pass
+
+
+def store_port_taken(err):
+    return "failed to listen" in err and "EADDRINUSE" in err
+
+
+def _run_ranks_once(backend_name, scenario, world, init, tmp_path, expect_exit, env):
+    port = unused_port()
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
                FABRIC_BACKEND=backend_name, OMP_NUM_THREADS="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
@@ -48,6 +62,8 @@ def run_ranks(backend_name, scenario, world, init="env", tmp_path=None, expect_e
         for p in procs:
             _, err = p.communicate(timeout=HANG)
             outputs.append((p.returncode, err))
+            if store_port_taken(err):
+                break           # rank 0 holds the store: the others would wait a minute for it
     finally:
         for p in procs:
             if p.poll() is None:
@@ -55,6 +71,8 @@ def run_ranks(backend_name, scenario, world, init="env", tmp_path=None, expect_e
                 p.communicate()
     bad = [(r, code, err) for r, (code, err) in enumerate(outputs)
            if code != (expect_exit(r) if expect_exit else 0)]
+    if outputs and store_port_taken(outputs[0][1]):
+        raise StorePortTaken(f"torch's store could not bind port {port}")
     assert not bad, "\n".join(f"rank {r} exited {code}:\n{err[-4000:]}" for r, code, err in bad)
     return [err for _, err in outputs]
 
