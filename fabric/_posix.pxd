@@ -166,6 +166,17 @@ cdef extern from "<time.h>" nogil:
         CLOCK_REALTIME
     int clock_gettime(int clk, timespec* ts)
 
+cdef extern from "<sys/timerfd.h>" nogil:
+    struct itimerspec:
+        timespec it_interval
+        timespec it_value
+    enum:
+        TFD_NONBLOCK
+        TFD_CLOEXEC
+        TFD_TIMER_ABSTIME
+    int timerfd_create(int clockid, int flags)
+    int timerfd_settime(int fd, int flags, const itimerspec* new_value, itimerspec* old_value)
+
 cdef extern from "<pthread.h>" nogil:
     ctypedef struct pthread_mutex_t:
         pass

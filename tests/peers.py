@@ -237,6 +237,25 @@ def connect_storm(backend, address):
     asyncio.run(main())
 
 
+def crash_in_send(backend, address):
+    """Connect, send b"hello", then send 64 bytes from memory nobody may read:
+    the process faults (SIGSEGV) wherever the bytes are first copied. On UCX
+    shared memory that is inside a slot of the receiver's queue, which UCX
+    reserved before copying. A fabric that refuses the send (tcp: the kernel
+    says EFAULT) ends the process too."""
+    import mmap
+    fab = fabric.Fabric(backend, **SMALL)
+    ep = fab.connect(address, timeout=30)
+    ep.send(b"hello")
+    unreadable = mmap.mmap(-1, 4096, prot=0)
+    say("crashing")
+    try:
+        ep.send(memoryview(unreadable)[:64])
+    except fabric.FabricError as e:
+        say(f"refused: {e}")
+    os._exit(3)
+
+
 def tls_sender(backend, address, ca_path, size):
     """Connect over TLS and start sending one big message, then wait to be
     killed."""

@@ -562,16 +562,10 @@ def test_a_listener_killed_before_its_mac_fails_the_connect_promptly(backend_nam
 
 
 @pytest.mark.timeout(180)
-def test_a_process_storming_keyed_connects_killed_leaves_the_listener_whole(backend_name, peer_factory, request):
+def test_a_process_storming_keyed_connects_killed_leaves_the_listener_whole(backend_name, peer_factory):
     """A real fabric process connecting and closing 16 at a time with the key
     is killed at a random instant (mid-preamble, mid-MAC, mid-HELLO or after):
     every connection it left behind ends promptly, and a new client gets in."""
-    if backend_name == "ucx" and os.environ.get("UCX_TLS") != "tcp":
-        # found at the end of session 12, open: over UCX shared memory (which
-        # cannot report a dead peer) the good client's connect after the kills
-        # sometimes times out waiting for HELLO (a third to half of the runs)
-        request.applymarker(pytest.mark.xfail(strict=False, reason="ucx shared memory: a connect after peers "
-                                              "were killed mid-wire-up can time out (open bug)"))
     b = make(backend_name, KEY)
     good = make(backend_name, KEY)
     lst = b.listen()
@@ -595,7 +589,15 @@ def test_a_process_storming_keyed_connects_killed_leaves_the_listener_whole(back
                     ep.recv(timeout=10)
                 ep.close(linger=0)
         assert accepted > 0                 # the storm did reach the listener
-        client = good.connect(lst.address, timeout=10)
+        try:
+            client = good.connect(lst.address, timeout=10)
+        except fabric.ConnectionLost:
+            # UCX shared memory only: a storm process killed mid-send blocks the
+            # listener's receive queue for good; a connect made while the
+            # listener finds that out (within 2 s, test_faults) is turned away
+            if not (backend_name == "ucx" and b._worker.domain.queue_probes[1]):
+                raise
+            client = good.connect(lst.address, timeout=10)
         server = lst.accept(timeout=10)
         roundtrip(client, server)
     finally:

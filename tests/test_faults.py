@@ -254,3 +254,43 @@ def test_peer_killed_fails_every_pending_operation(backend_name, victim, peer_fa
     assert outcomes == {"recv": "lost", "large": "lost", "small": "lost"}, outcomes
     ep.close()
     still_serves(fab, lst, backend_name)
+
+
+@pytest.mark.timeout(90)
+def test_a_peer_crashing_inside_a_send_spares_the_listener(backend_name, victim, peer_factory):
+    """A local peer dies (SIGSEGV) inside the fabric's copy of a message, its
+    bytes coming from memory it may not read. Over UCX shared memory the copy
+    runs after UCX reserved a slot in the victim's receive queue, which all
+    local senders share and which is read in order: the queue is blocked for
+    good (a UCX limitation). The victim must find out within seconds, fail
+    the connections that depended on the queue with a ConnectionLost that
+    says so, and serve new connections. On other fabrics the bystanding
+    connection carries on untouched."""
+    fab, lst = victim
+    shared_memory = backend_name == "ucx" and os.environ.get("UCX_TLS") != "tcp"
+    bystander = fabric.Fabric(backend_name, **small_options())
+    try:
+        near = bystander.connect(lst.address, timeout=HANG)
+        far = lst.accept(timeout=HANG)
+        near.send(b"before")
+        assert far.recv(timeout=HANG) == b"before"
+        peer = peer_factory("crash_in_send", lst.address, backend=backend_name)
+        ep = accept(fab, lst, peer)
+        assert ep.recv(timeout=HANG) == b"hello"
+        assert peer.first_line == "crashing"
+        code, _, err = peer.wait(timeout=HANG)
+        assert code != 0, err
+        near.send(b"after")
+        if shared_memory:
+            with pytest.raises(fabric.ConnectionLost, match="shared-memory receive queue blocked"):
+                far.recv(timeout=HANG)
+            with pytest.raises(fabric.ConnectionLost):
+                near.recv(timeout=HANG)     # the victim closed its end
+            assert fab._worker.domain.queue_probes[1] == 1
+        else:
+            assert far.recv(timeout=HANG) == b"after"
+            if backend_name == "ucx":
+                assert fab._worker.domain.queue_probes == (0, 0)
+        still_serves(fab, lst, backend_name)
+    finally:
+        bystander.close(linger=0)

@@ -16,6 +16,17 @@ marks that channel ready. A channel's own fd is its bootstrap socket
 (readable when the peer goes away), so an idle endpoint costs no CPU and a
 thousand of them cost a thousand sockets, not a thousand epoll sets.
 
+A shared-memory peer that dies while writing into this worker's receive
+queue wedges it for good: UCX's FIFO is shared by every local sender, each
+reserves a slot and then fills it, and the reader takes slots in order, so
+a slot reserved and never filled blocks every later message from any peer.
+Whenever a shared-memory connection ends, the domain sends a probe message
+through that queue from a second worker of its own; a probe that does not
+arrive within PROBE_WAIT, twice, means the queue is wedged. The domain then
+fails every shared-memory connection on that worker (nothing they send can
+arrive any more) and takes a fresh worker for new ones; connections over
+UCX's network transports keep the old worker until they close.
+
 Closing never waits for UCX: requests a forced ucp_ep_close cannot cancel
 at once (shared memory cannot report a dead peer, so its rendezvous sends
 stay pending) keep the channel as a zombie of the domain until they complete
@@ -80,12 +91,14 @@ cdef extern from "ucx_shim.h" nogil:
         UCS_OK
         UCS_INPROGRESS
         UCS_ERR_BUSY
+        UCS_ERR_NO_RESOURCE
         UCP_AM_RECV_ATTR_FLAG_DATA
         UCP_AM_RECV_ATTR_FLAG_RNDV
 
     unsigned fab_ucx_api_version()
     unsigned fab_ucx_runtime_version()
-    ucs_status_t fab_ucx_init(ucp_context_h* context, ucp_worker_h* worker)
+    ucs_status_t fab_ucx_init(ucp_context_h* context)
+    ucs_status_t fab_ucx_worker_create(ucp_context_h context, ucp_worker_h* worker)
     ucs_status_t fab_ucx_set_am_handler(ucp_worker_h worker, ucp_am_recv_callback_t cb, void* arg)
     ucs_status_t fab_ucx_ep_create(ucp_worker_h worker, const ucp_address_t* address, int peer_errors,
                                    ucp_err_handler_cb_t on_error, void* arg, ucp_ep_h* ep)
@@ -125,6 +138,15 @@ cdef extern from "ucx_shim.h" nogil:
     const char* ucs_status_string(ucs_status_t status)
 
 cdef double CLOSE_GRACE = 0.02    # seconds close() lets a live peer's cancellations complete
+# How long a probe of the shared-memory receive queue may take, each of two
+# tries (a live sender fills its slot within microseconds once it runs, but
+# a loaded 2-core host can deschedule it mid-write for a while).
+cdef double PROBE_WAIT = 1.0
+# A second probe this long after the last shared-memory connection ended:
+# its peer may die while still sending after our side closed.
+cdef double PROBE_AGAIN = 1.0
+cdef const char* WEDGED = (b"UCX shared-memory receive queue blocked for good: a local peer died mid-send "
+                           b"(a UCX limitation); reconnect (the Fabric uses a fresh queue)")
 
 cdef enum:
     BOOT_MAGIC = 0x58435546      # "FUCX"
@@ -176,11 +198,39 @@ cdef struct ucx_deferred:
     int iovcnt
     ucp_dt_iov_t iov[1]  # iovcnt entries
 
-cdef struct ucx_domain:
-    fab_hub hub          # first: the engine's view of the domain (efd, progress, arm)
-    ucp_context_h context
+cdef struct ucx_wk:
+    # a UCP worker of the domain: the current one, or one found wedged whose
+    # channels over network transports still run on it
     ucp_worker_h worker
     int efd
+    int users            # channels made on it, plus one while it is the domain's current worker
+    int wedged           # its shared-memory receive queue is blocked for good
+    ucx_wk* next
+
+cdef struct ucx_domain:
+    fab_hub hub          # first: the engine's view of the domain (fd, progress, arm)
+    ucp_context_h context
+    ucx_wk* cur          # the worker new channels use (NULL: none could be made)
+    ucx_wk* workers      # all of them, cur included
+    int epfd             # the hub's fd: the workers' event fds and the timer
+    int timerfd          # the probe's deadlines
+    int sm_possible      # connections may use shared memory (and can wedge the queue)
+    # the probe of cur's shared-memory receive queue (see the module doc)
+    ucp_worker_h probe_worker
+    ucp_ep_h probe_ep
+    void* probe_req
+    char probe_key[8]    # channel key 0: no channel has it
+    uint64_t probe_seq   # the last probe sent
+    uint64_t probe_seen  # the last probe that arrived
+    double probe_deadline  # 0: none outstanding
+    int probe_tries      # deadlines the outstanding probe has missed
+    int probe_wanted     # send one (again) as soon as none is outstanding
+    double probe_again_at  # 0: no follow-up planned
+    ucp_dt_iov_t probe_iov
+    char probe_buf[8]    # the probe's sequence number
+    double timer_at      # when timerfd is set to fire (0: not set)
+    uint64_t probes      # sent, in all
+    uint64_t wedges      # workers found wedged
     int peer_errors      # can ask UCX for peer-failure reports (not on shared memory only)
     int local_none       # offers error mode NONE (shared memory) to peers on this host
     char host_id[HOST_ID]  # equal on both sides: same boot, namespaces and user
@@ -196,6 +246,8 @@ cdef struct ucx_domain:
 cdef struct ucx_chan:
     fab_channel base
     ucx_domain* dom
+    ucx_wk* wk                 # the worker its endpoint lives on
+    int probe_noted            # its end has asked for a probe of the receive queue
     uint64_t key
     uint64_t peer_key
     ucp_ep_h ep
@@ -250,12 +302,60 @@ UCX_OPS.close = ucx_close
 # ------------------------------------------------------------------ domain
 
 cdef void domain_unref(ucx_domain* d) noexcept nogil:
+    cdef ucx_wk* wk
     if domain_unref_last(&d.refs):
-        ucp_worker_destroy(d.worker)
-        ucp_cleanup(d.context)
+        probe_close(d)
+        while d.workers != NULL:
+            wk = d.workers
+            d.workers = wk.next
+            ucp_worker_destroy(wk.worker)
+            free(wk)
+        if d.context != NULL:
+            ucp_cleanup(d.context)
+        if d.epfd >= 0:
+            close(d.epfd)
+        if d.timerfd >= 0:
+            close(d.timerfd)
         free(d.chans)
         free(d.gens)
         free(d)
+
+cdef ucx_wk* wk_open(ucx_domain* d) noexcept nogil:
+    """A new worker for the domain, watched by its hub; NULL if UCX refuses."""
+    cdef ucx_wk* wk = <ucx_wk*>calloc(1, sizeof(ucx_wk))
+    cdef epoll_event ev
+    if wk == NULL:
+        return NULL
+    if fab_ucx_worker_create(d.context, &wk.worker) != UCS_OK:
+        free(wk)
+        return NULL
+    memset(&ev, 0, sizeof(ev))
+    ev.events = EPOLLIN
+    if (ucp_worker_get_efd(wk.worker, &wk.efd) != UCS_OK
+            or fab_ucx_set_am_handler(wk.worker, on_am, d) != UCS_OK
+            or epoll_ctl(d.epfd, EPOLL_CTL_ADD, wk.efd, &ev) < 0):
+        ucp_worker_destroy(wk.worker)
+        free(wk)
+        return NULL
+    wk.users = 1
+    wk.next = d.workers
+    d.workers = wk
+    return wk
+
+cdef void reap_workers(ucx_domain* d) noexcept nogil:
+    """Destroy the wedged workers no channel uses any more (never from inside
+    their own progress, where a channel may be freed)."""
+    cdef ucx_wk** p = &d.workers
+    cdef ucx_wk* wk
+    while p[0] != NULL:
+        wk = p[0]
+        if wk.users == 0:
+            p[0] = wk.next
+            epoll_ctl(d.epfd, EPOLL_CTL_DEL, wk.efd, NULL)
+            ucp_worker_destroy(wk.worker)
+            free(wk)
+        else:
+            p = &wk.next
 
 cdef uint64_t domain_add(ucx_domain* d, ucx_chan* ch) noexcept nogil:
     cdef uint32_t i, n
@@ -290,8 +390,170 @@ cdef ucx_chan* domain_find(ucx_domain* d, uint64_t key) noexcept nogil:
     return d.chans[slot]
 
 
+# ------------------------------------------------ the receive-queue probe
+
+cdef void timer_set(ucx_domain* d, double at) noexcept nogil:
+    """Make the hub readable at `at` (monotonic seconds) unless it already
+    will be by then."""
+    cdef itimerspec its
+    cdef double now
+    if d.timer_at != 0 and d.timer_at <= at:
+        return
+    memset(&its, 0, sizeof(its))
+    now = monotonic_now()
+    if at <= now:
+        at = now
+        its.it_value.tv_nsec = 1           # relative: fire at once
+        timerfd_settime(d.timerfd, 0, &its, NULL)
+    else:
+        its.it_value.tv_sec = <long>at
+        its.it_value.tv_nsec = <long>((at - <double>its.it_value.tv_sec) * 1e9)
+        timerfd_settime(d.timerfd, TFD_TIMER_ABSTIME, &its, NULL)
+    d.timer_at = at
+
+cdef void probe_request(ucx_domain* d) noexcept nogil:
+    """A connection that may have used shared memory ended: probe the
+    receive queue now, and once more a little later."""
+    if not d.sm_possible or d.closing or d.cur == NULL:
+        return
+    d.probe_wanted = 1
+    d.probe_again_at = monotonic_now() + PROBE_AGAIN
+    timer_set(d, 0)
+
+cdef void on_probe_ep_error(void* arg, ucp_ep_h ep, ucs_status_t status) noexcept nogil:
+    pass
+
+cdef void on_probe_sent(void* request, ucs_status_t status, void* user_data) noexcept nogil:
+    cdef ucx_domain* d = <ucx_domain*>user_data
+    d.probe_req = NULL
+    ucp_request_free(request)
+
+cdef void probe_close(ucx_domain* d) noexcept nogil:
+    cdef void* req = d.probe_req
+    d.probe_req = NULL
+    if req != NULL:
+        ucp_request_free(req)           # no callback follows
+    if d.probe_worker != NULL:
+        ucp_worker_destroy(d.probe_worker)   # and its endpoint
+    d.probe_worker = NULL
+    d.probe_ep = NULL
+
+cdef int probe_open(ucx_domain* d) noexcept nogil:
+    """The probe's own worker and its endpoint to the current worker: the
+    same transports a local peer's endpoint takes (error mode NONE)."""
+    cdef ucp_address_t* address
+    cdef size_t alen
+    cdef ucs_status_t st
+    if fab_ucx_worker_create(d.context, &d.probe_worker) != UCS_OK:
+        d.probe_worker = NULL
+        return -1
+    if ucp_worker_get_address(d.cur.worker, &address, &alen) != UCS_OK:
+        probe_close(d)
+        return -1
+    st = fab_ucx_ep_create(d.probe_worker, address, 0, on_probe_ep_error, d, &d.probe_ep)
+    ucp_worker_release_address(d.cur.worker, address)
+    if st != UCS_OK:
+        d.probe_ep = NULL
+        probe_close(d)
+        return -1
+    return 0
+
+cdef void probe_send(ucx_domain* d, double now) noexcept nogil:
+    cdef ucs_status_ptr_t sp
+    d.probe_wanted = 0
+    if d.probe_worker == NULL and probe_open(d) < 0:
+        return                          # cannot probe: no worse than before
+    d.probe_seq += 1
+    wr64(d.probe_buf, d.probe_seq)
+    d.probe_iov.buffer = d.probe_buf
+    d.probe_iov.length = 8
+    sp = fab_ucx_am_send(d.probe_ep, d.probe_key, 8, &d.probe_iov, 1, on_probe_sent, d)
+    if fab_ucx_is_err(sp):
+        probe_close(d)
+        return
+    if sp != NULL:
+        d.probe_req = sp
+    d.probes += 1
+    d.probe_deadline = now + PROBE_WAIT
+    d.probe_tries = 0
+
+cdef void probe_arrived(ucx_domain* d, const void* data, size_t length) noexcept nogil:
+    cdef uint64_t seq
+    if length == 8:
+        seq = rd64(<const char*>data)
+        if seq > d.probe_seen and seq <= d.probe_seq:
+            d.probe_seen = seq
+
+cdef void queue_wedged(ucx_domain* d) noexcept nogil:
+    """The current worker's shared-memory receive queue is blocked for good:
+    fail the channels that depend on it and take a fresh worker."""
+    cdef ucx_wk* old = d.cur
+    cdef ucx_chan* ch
+    cdef uint32_t i
+    d.wedges += 1
+    old.wedged = 1
+    probe_close(d)
+    d.probe_deadline = 0
+    d.probe_wanted = 0
+    d.probe_again_at = 0
+    d.cur = wk_open(d)                  # NULL: new channels are refused until one can be made
+    old.users -= 1
+    for i in range(d.nchans):
+        ch = d.chans[i]
+        if (ch != NULL and ch.wk == old and ch.state == ST_READY and not ch.ep_peer_mode
+                and not ch.closed and not ch.base.failed):
+            fail_ready(ch, ECONNRESET, WEDGED)
+
+cdef void probe_tick(ucx_domain* d) noexcept nogil:
+    """Run from the hub's progress: see whether the outstanding probe
+    arrived, declare the queue wedged if it missed its deadline twice, send
+    the next probe when one is wanted, and set the timer for what is next."""
+    cdef double now, at
+    cdef uint64_t buf
+    cdef int i
+    cdef unsigned moved
+    if d.timer_at == 0 and d.probe_deadline == 0 and not d.probe_wanted and d.probe_again_at == 0:
+        return
+    now = monotonic_now()
+    if d.timer_at != 0 and now >= d.timer_at and read(d.timerfd, &buf, 8) == 8:
+        d.timer_at = 0                  # (else it has not fired yet: read it next time)
+    if d.probe_deadline == 0 and not d.probe_wanted and d.probe_again_at == 0:
+        return
+    if d.probe_worker != NULL:
+        ucp_worker_progress(d.probe_worker)
+    if d.probe_deadline != 0 and d.probe_seen < d.probe_seq and now >= d.probe_deadline:
+        # take in what the queue holds before calling it late
+        for i in range(4096):
+            moved = ucp_worker_progress(d.cur.worker)
+            if d.probe_worker != NULL:
+                moved += ucp_worker_progress(d.probe_worker)
+            if d.probe_seen >= d.probe_seq or moved == 0:
+                break
+        if d.probe_seen < d.probe_seq:
+            d.probe_tries += 1
+            if d.probe_tries >= 2:
+                queue_wedged(d)
+                return
+            d.probe_deadline = now + PROBE_WAIT
+    if d.probe_deadline != 0 and d.probe_seen >= d.probe_seq:
+        d.probe_deadline = 0
+    if d.probe_deadline == 0:
+        if d.probe_again_at != 0 and now >= d.probe_again_at:
+            d.probe_again_at = 0
+            d.probe_wanted = 1
+        if d.probe_wanted:
+            probe_send(d, now)
+    at = 0
+    if d.probe_deadline != 0:
+        at = d.probe_deadline
+    elif d.probe_again_at != 0:
+        at = d.probe_again_at
+    if at != 0:
+        timer_set(d, at)
+
+
 cdef class UcxDomain:
-    """One UCP context and worker, kept alive by its Fabric."""
+    """One UCP context and its workers, kept alive by its Fabric."""
     cdef ucx_domain* d
     cdef int pid
 
@@ -320,6 +582,14 @@ cdef class UcxDomain:
         """References held on the domain: its Fabric's, one per live channel
         and listener (leak and race checks)."""
         return self.d.refs if self.d != NULL else 0
+
+    @property
+    def queue_probes(self):
+        """(probes of the shared-memory receive queue sent, workers found
+        wedged and replaced) since the Fabric opened."""
+        if self.d == NULL:
+            return (0, 0)
+        return (self.d.probes, self.d.wedges)
 
     @property
     def endpoints(self):
@@ -362,7 +632,7 @@ cdef int push_event(ucx_chan* ch, int kind, int status, uint64_t ctx, char* data
 cdef void release_data(ucx_chan* ch, ucx_event* ev) noexcept nogil:
     if ev.data != NULL:
         if ev.am_data:
-            ucp_am_data_release(ch.dom.worker, ev.data)
+            ucp_am_data_release(ch.wk.worker, ev.data)
         else:
             free(ev.data)
         ev.data = NULL
@@ -434,6 +704,7 @@ cdef void maybe_free_channel(ucx_chan* ch) noexcept nogil:
         release_data(ch, &ch.q[(ch.qhead + i) % ch.qcap])
     free(ch.q)
     free(ch.handed)
+    ch.wk.users -= 1              # a wedged worker goes once unused (reap_workers)
     free(ch)
     domain_unref(d)
 
@@ -466,18 +737,32 @@ cdef void destroy_zombies(ucx_domain* d) noexcept nogil:
 
 cdef int ucx_hub_progress(fab_hub* hub) noexcept nogil:
     cdef ucx_domain* d = <ucx_domain*>hub
-    cdef int rounds = 0
-    while rounds < 64 and ucp_worker_progress(d.worker) != 0:
-        rounds += 1
+    cdef int rounds = 0, r
+    cdef ucx_wk* wk = d.workers
+    while wk != NULL:
+        r = 0
+        while r < 64 and ucp_worker_progress(wk.worker) != 0:
+            r += 1
+        rounds += r
+        wk = wk.next
     if rounds:
         hub.activity += 1
     if d.zombies != NULL:
         sweep_zombies(d)
+    probe_tick(d)
+    if d.workers != d.cur or (d.cur != NULL and d.cur.next != NULL):
+        reap_workers(d)
     return rounds
 
 cdef int ucx_hub_arm(fab_hub* hub) noexcept nogil:
     cdef ucx_domain* d = <ucx_domain*>hub
-    return ucp_worker_arm(d.worker) == UCS_ERR_BUSY
+    cdef ucx_wk* wk = d.workers
+    cdef int busy = 0
+    while wk != NULL:
+        if ucp_worker_arm(wk.worker) == UCS_ERR_BUSY:
+            busy = 1
+        wk = wk.next
+    return busy
 
 cdef void on_request_done(void* request, ucs_status_t status, void* user_data) noexcept nogil:
     """Completion of a send or a get (runs inside ucp_worker_progress)."""
@@ -512,6 +797,9 @@ cdef ucs_status_t on_am(void* arg, const void* header, size_t header_length, voi
     cdef ucx_chan* ch
     cdef char* copy
     if header_length != 8 and header_length != 16:
+        return UCS_OK
+    if header_length == 8 and rd64(<const char*>header) == 0:
+        probe_arrived(d, data, length)  # the domain's own probe (no channel has key 0)
         return UCS_OK
     ch = domain_find(d, rd64(<const char*>header))
     if ch == NULL or ch.closed or ch.base.failed:
@@ -563,11 +851,11 @@ cdef int boot_make(ucx_chan* ch) noexcept nogil:
     cdef ucp_address_t* address
     cdef size_t alen
     cdef char* out
-    if ucp_worker_get_address(ch.dom.worker, &address, &alen) != UCS_OK:
+    if ucp_worker_get_address(ch.wk.worker, &address, &alen) != UCS_OK:
         return fail_ready(ch, EIO_, "ucp_worker_get_address failed")
     out = boot_message(&ch.boot, &ch.base, BOOT_FIXED + alen)
     if out == NULL:
-        ucp_worker_release_address(ch.dom.worker, address)
+        ucp_worker_release_address(ch.wk.worker, address)
         return fail_ready(ch, ENOMEM, "bootstrap")
     wr32(out, BOOT_MAGIC)
     wr16(out + 4, BOOT_VERSION)
@@ -578,7 +866,7 @@ cdef int boot_make(ucx_chan* ch) noexcept nogil:
     wr32(out + 16, <uint32_t>alen)
     memcpy(out + BOOT_HOST, ch.dom.host_id, HOST_ID)
     memcpy(out + BOOT_FIXED, address, alen)
-    ucp_worker_release_address(ch.dom.worker, address)
+    ucp_worker_release_address(ch.wk.worker, address)
     return 0
 
 cdef Py_ssize_t boot_header(fab_channel* fch, const char* head) noexcept nogil:
@@ -624,7 +912,9 @@ cdef int boot_step(ucx_chan* ch) noexcept nogil:
         # shared memory's GET (cma) is real: the engine may pull again (its
         # pulls fail cleanly with the peer, UCX's rendezvous sends would not)
         ch.base.caps &= ~FAB_CAP_LARGE_NATIVE_ONLY
-    st = fab_ucx_ep_create(ch.dom.worker, <ucp_address_t*>ch.boot.payload, peer_errors,
+        if ch.wk.wedged:                # it sent the address of a queue found wedged since
+            return fail_ready(ch, ECONNRESET, WEDGED)
+    st = fab_ucx_ep_create(ch.wk.worker, <ucp_address_t*>ch.boot.payload, peer_errors,
                            on_ep_error, ch, &ch.ep)
     if st != UCS_OK:
         return fail_ready(ch, ECONNREFUSED_, "cannot reach the peer's UCX worker (check UCX_TLS on both sides)")
@@ -682,7 +972,7 @@ cdef int large_start(ucx_chan* ch, ucx_large* e, int in_callback) noexcept nogil
         if e.is_data == 2:
             free(e.desc)
         elif not in_callback:
-            ucp_am_data_release(ch.dom.worker, e.desc)   # persistent data, or a refused descriptor
+            ucp_am_data_release(ch.wk.worker, e.desc)    # persistent data, or a refused descriptor
         free(e)
         return 0
     r = <ucx_req*>malloc(sizeof(ucx_req))
@@ -693,7 +983,7 @@ cdef int large_start(ucx_chan* ch, ucx_large* e, int in_callback) noexcept nogil
     r.kind = R_LARGE_RECV
     r.ctx = e.ctx
     r.rkey = NULL
-    sp = fab_ucx_am_recv_data(ch.dom.worker, e.desc, e.dst, e.length, on_large_received, r)
+    sp = fab_ucx_am_recv_data(ch.wk.worker, e.desc, e.dst, e.length, on_large_received, r)
     free(e)
     if sp == NULL:
         push_event(ch, FAB_EV_READ, 0, r.ctx, NULL, 0, 0)
@@ -924,6 +1214,9 @@ cdef int ucx_poll(fab_channel* fch, fab_completion* out, int max_events) noexcep
             ch.nhanded += 1
         ch.qhead = (ch.qhead + 1) % ch.qcap
         ch.qcount -= 1
+    if ch.boot.peer_gone and not ch.probe_noted and not ch.ep_peer_mode:
+        ch.probe_noted = 1              # a local peer may have died mid-write (module doc)
+        probe_request(ch.dom)
     if ch.boot.peer_gone and ch.qcount == 0 and not fch.failed:
         # everything the peer sent before leaving has been delivered above
         fab_fail(fch, ECONNRESET, "peer closed the connection")
@@ -966,7 +1259,7 @@ cdef void ucx_close(fab_channel* fch) noexcept nogil:
     if not (ch.boot.peer_gone or ch.ep_failed or d.closing):
         deadline = monotonic_now() + CLOSE_GRACE
         while (ch.reqs != NULL or close_pending(ch)) and monotonic_now() < deadline:
-            ucp_worker_progress(d.worker)
+            ucp_worker_progress(ch.wk.worker)
     for i in range(ch.nhanded):
         release_data(ch, &ch.handed[i])
     ch.nhanded = 0
@@ -982,9 +1275,12 @@ cdef void ucx_close(fab_channel* fch) noexcept nogil:
             if lg.is_data == 2:
                 free(lg.desc)
             else:
-                ucp_am_data_release(d.worker, lg.desc)
+                ucp_am_data_release(ch.wk.worker, lg.desc)
         free(lg)
     boot_close(&ch.boot, fch)
+    if not ch.probe_noted and not ch.ep_peer_mode:
+        ch.probe_noted = 1
+        probe_request(d)
     ch.released = 1
     if ch.reqs != NULL or close_pending(ch):
         ch.is_zombie = 1
@@ -1023,13 +1319,17 @@ cdef fab_channel* new_channel(void* domain, int sock, size_t max_recv, uint32_t 
     ch.base.hub = &d.hub
     ch.dom = d
     ch.state = ST_BOOT
-    if not d.closing:
+    if d.cur == NULL and not d.closing:
+        d.cur = wk_open(d)              # none could be made when the last one wedged
+    if not d.closing and d.cur != NULL:
         ch.key = domain_add(d, ch)
     if ch.key == 0:
         free(ch)
         close(sock)
         return NULL
     domain_ref(&d.refs)
+    ch.wk = d.cur
+    ch.wk.users += 1
     boot_init(&ch.boot, &ch.base, sock, BOOT_FIXED)
     if boot_make(ch) < 0:
         return &ch.base           # failed: the engine reports it and closes
@@ -1125,6 +1425,7 @@ cdef class UcxBackend(Backend):
         cdef UcxDomain dom
         cdef ucx_domain* d
         cdef ucs_status_t st
+        cdef epoll_event ev
         if _initialised_in not in (0, os.getpid()):
             from fabric.errors import BackendUnavailable
             raise BackendUnavailable(
@@ -1137,8 +1438,10 @@ cdef class UcxBackend(Backend):
         d = <ucx_domain*>calloc(1, sizeof(ucx_domain))
         if d == NULL:
             raise MemoryError()
+        d.epfd = -1
+        d.timerfd = -1
         with nogil:
-            st = fab_ucx_init(&d.context, &d.worker)
+            st = fab_ucx_init(&d.context)
         if st != UCS_OK:
             free(d)
             from fabric.errors import BackendUnavailable
@@ -1150,16 +1453,24 @@ cdef class UcxBackend(Backend):
         d.local_none = d.peer_errors and not os.environ.get("UCX_TLS", "").strip()
         ident = host_identity()
         memcpy(d.host_id, <const char*>ident, HOST_ID)
+        d.sm_possible = d.local_none or not d.peer_errors
         dom.d = d
         dom.pid = os.getpid()
-        if ucp_worker_get_efd(d.worker, &d.efd) != UCS_OK:
-            raise OSError("UCX worker has no event fd")
-        d.hub.fd = d.efd
+        d.epfd = epoll_create1(EPOLL_CLOEXEC)
+        d.timerfd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC)
+        if d.epfd < 0 or d.timerfd < 0:
+            raise OSError(errno, "UCX domain: epoll or timer fd")
+        memset(&ev, 0, sizeof(ev))
+        ev.events = EPOLLIN
+        if epoll_ctl(d.epfd, EPOLL_CTL_ADD, d.timerfd, &ev) < 0:
+            raise OSError(errno, "UCX domain: epoll")
+        with nogil:
+            d.cur = wk_open(d)
+        if d.cur == NULL:
+            raise OSError("UCX could not create a worker (or its event fd, or its active-message handler)")
+        d.hub.fd = d.epfd
         d.hub.progress = ucx_hub_progress
         d.hub.arm = ucx_hub_arm
-        st = fab_ucx_set_am_handler(d.worker, on_am, d)
-        if st != UCS_OK:
-            raise OSError(f"UCX active-message handler: {ucs_status_string(st).decode()}")
         return dom
 
     cdef fab_hub* hub(self, object domain) except? NULL:

@@ -30,10 +30,9 @@ static inline unsigned fab_ucx_runtime_version(void)
     return UCP_VERSION(major, minor);
 }
 
-static inline ucs_status_t fab_ucx_init(ucp_context_h *context, ucp_worker_h *worker)
+static inline ucs_status_t fab_ucx_init(ucp_context_h *context)
 {
     ucp_params_t params;
-    ucp_worker_params_t wparams;
     ucp_config_t *config;
     ucs_status_t status;
 
@@ -55,18 +54,21 @@ static inline ucs_status_t fab_ucx_init(ucp_context_h *context, ucp_worker_h *wo
         (void)ucp_config_modify(config, "TCP_MAX_CONN_RETRIES", "255");
     status = ucp_init(&params, config, context);
     ucp_config_release(config);
-    if (status != UCS_OK)
-        return status;
+    return status;
+}
+
+/* A worker of the context: a Fabric's, or its probe's (ucx.pyx). */
+static inline ucs_status_t fab_ucx_worker_create(ucp_context_h context, ucp_worker_h *worker)
+{
+    ucp_worker_params_t wparams;
+
     memset(&wparams, 0, sizeof(wparams));
     wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE | UCP_WORKER_PARAM_FIELD_EVENTS;
     /* fabric serializes every call under its worker mutex */
     wparams.thread_mode = UCS_THREAD_MODE_SERIALIZED;
     wparams.events = UCP_WAKEUP_RMA | UCP_WAKEUP_AMO | UCP_WAKEUP_TAG_SEND | UCP_WAKEUP_TAG_RECV |
                      UCP_WAKEUP_TX | UCP_WAKEUP_RX;
-    status = ucp_worker_create(*context, &wparams, worker);
-    if (status != UCS_OK)
-        ucp_cleanup(*context);
-    return status;
+    return ucp_worker_create(context, &wparams, worker);
 }
 
 static inline ucs_status_t fab_ucx_set_am_handler(ucp_worker_h worker, ucp_am_recv_callback_t cb, void *arg)
