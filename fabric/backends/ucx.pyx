@@ -142,6 +142,9 @@ cdef double CLOSE_GRACE = 0.02    # seconds close() lets a live peer's cancellat
 # tries (a live sender fills its slot within microseconds once it runs, but
 # a loaded 2-core host can deschedule it mid-write for a while).
 cdef double PROBE_WAIT = 1.0
+# A probe goes this long after a shared-memory connection ended, so that the
+# ends of many connections (a pool closing, a storm) share one.
+cdef double PROBE_BATCH = 0.05
 # A second probe this long after the last shared-memory connection ended:
 # its peer may die while still sending after our side closed.
 cdef double PROBE_AGAIN = 1.0
@@ -224,7 +227,7 @@ cdef struct ucx_domain:
     uint64_t probe_seen  # the last probe that arrived
     double probe_deadline  # 0: none outstanding
     int probe_tries      # deadlines the outstanding probe has missed
-    int probe_wanted     # send one (again) as soon as none is outstanding
+    double probe_at      # send one at (or once none is outstanding after) this time; 0: none wanted
     double probe_again_at  # 0: no follow-up planned
     ucp_dt_iov_t probe_iov
     char probe_buf[8]    # the probe's sequence number
@@ -414,11 +417,14 @@ cdef void timer_set(ucx_domain* d, double at) noexcept nogil:
 cdef void probe_request(ucx_domain* d) noexcept nogil:
     """A connection that may have used shared memory ended: probe the
     receive queue now, and once more a little later."""
+    cdef double now
     if not d.sm_possible or d.closing or d.cur == NULL:
         return
-    d.probe_wanted = 1
-    d.probe_again_at = monotonic_now() + PROBE_AGAIN
-    timer_set(d, 0)
+    now = monotonic_now()
+    if d.probe_at == 0:
+        d.probe_at = now + PROBE_BATCH
+        timer_set(d, d.probe_at)
+    d.probe_again_at = now + PROBE_AGAIN
 
 cdef void on_probe_ep_error(void* arg, ucp_ep_h ep, ucs_status_t status) noexcept nogil:
     pass
@@ -460,7 +466,7 @@ cdef int probe_open(ucx_domain* d) noexcept nogil:
 
 cdef void probe_send(ucx_domain* d, double now) noexcept nogil:
     cdef ucs_status_ptr_t sp
-    d.probe_wanted = 0
+    d.probe_at = 0
     if d.probe_worker == NULL and probe_open(d) < 0:
         return                          # cannot probe: no worse than before
     d.probe_seq += 1
@@ -494,7 +500,7 @@ cdef void queue_wedged(ucx_domain* d) noexcept nogil:
     old.wedged = 1
     probe_close(d)
     d.probe_deadline = 0
-    d.probe_wanted = 0
+    d.probe_at = 0
     d.probe_again_at = 0
     d.cur = wk_open(d)                  # NULL: new channels are refused until one can be made
     old.users -= 1
@@ -512,12 +518,12 @@ cdef void probe_tick(ucx_domain* d) noexcept nogil:
     cdef uint64_t buf
     cdef int i
     cdef unsigned moved
-    if d.timer_at == 0 and d.probe_deadline == 0 and not d.probe_wanted and d.probe_again_at == 0:
+    if d.timer_at == 0 and d.probe_deadline == 0 and d.probe_at == 0 and d.probe_again_at == 0:
         return
     now = monotonic_now()
     if d.timer_at != 0 and now >= d.timer_at and read(d.timerfd, &buf, 8) == 8:
         d.timer_at = 0                  # (else it has not fired yet: read it next time)
-    if d.probe_deadline == 0 and not d.probe_wanted and d.probe_again_at == 0:
+    if d.probe_deadline == 0 and d.probe_at == 0 and d.probe_again_at == 0:
         return
     if d.probe_worker != NULL:
         ucp_worker_progress(d.probe_worker)
@@ -540,14 +546,16 @@ cdef void probe_tick(ucx_domain* d) noexcept nogil:
     if d.probe_deadline == 0:
         if d.probe_again_at != 0 and now >= d.probe_again_at:
             d.probe_again_at = 0
-            d.probe_wanted = 1
-        if d.probe_wanted:
+            if d.probe_at == 0:
+                d.probe_at = now
+        if d.probe_at != 0 and now >= d.probe_at:
             probe_send(d, now)
-    at = 0
     if d.probe_deadline != 0:
-        at = d.probe_deadline
-    elif d.probe_again_at != 0:
-        at = d.probe_again_at
+        at = d.probe_deadline           # the others wait for its verdict
+    else:
+        at = d.probe_at
+        if at == 0 or (d.probe_again_at != 0 and d.probe_again_at < at):
+            at = d.probe_again_at
     if at != 0:
         timer_set(d, at)
 
