@@ -91,16 +91,18 @@ def unused_port():
             low = int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         pass
+    low = max(low, 2048)
     for _ in range(200):
         port = random.randrange(max(1024, low - 12000), low)
         try:
             for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
-                with socket.socket(family) as s:
-                    try:
+                try:
+                    with socket.socket(family) as s:
                         s.bind((host, port))
-                    except OSError as e:
-                        if e.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
-                            raise       # in use; a host without IPv6 only checks IPv4
+                except OSError as e:
+                    if family == socket.AF_INET6 and e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                        continue        # no IPv6 here: IPv4 decides
+                    raise               # in use
         except OSError:
             continue
         return port

@@ -25,7 +25,12 @@ through that queue from a second worker of its own; a probe that does not
 arrive within PROBE_WAIT, twice, means the queue is wedged. The domain then
 fails every shared-memory connection on that worker (nothing they send can
 arrive any more) and takes a fresh worker for new ones; connections over
-UCX's network transports keep the old worker until they close.
+UCX's network transports keep the old worker until they close. The probe
+tests the queue of the transport its own endpoint takes (posix or sysv);
+peers with the same UCX and UCX_TLS take the same one. The hub's fd is then
+an epoll set of the workers' event fds and a timer; a domain that cannot use
+shared memory (UCX_TLS without it) has one worker for good, and its hub's fd
+is that worker's own, one epoll level fewer.
 
 Closing never waits for UCX: requests a forced ucp_ep_close cannot cancel
 at once (shared memory cannot report a dead peer, so its rendezvous sends
@@ -431,7 +436,8 @@ cdef void on_probe_ep_error(void* arg, ucp_ep_h ep, ucs_status_t status) noexcep
 
 cdef void on_probe_sent(void* request, ucs_status_t status, void* user_data) noexcept nogil:
     cdef ucx_domain* d = <ucx_domain*>user_data
-    d.probe_req = NULL
+    if d.probe_req == request:
+        d.probe_req = NULL
     ucp_request_free(request)
 
 cdef void probe_close(ucx_domain* d) noexcept nogil:
@@ -469,6 +475,10 @@ cdef void probe_send(ucx_domain* d, double now) noexcept nogil:
     d.probe_at = 0
     if d.probe_worker == NULL and probe_open(d) < 0:
         return                          # cannot probe: no worse than before
+    if d.probe_req != NULL:
+        # the last probe arrived before UCX reported its send complete
+        ucp_request_free(d.probe_req)   # no callback follows
+        d.probe_req = NULL
     d.probe_seq += 1
     wr64(d.probe_buf, d.probe_seq)
     d.probe_iov.buffer = d.probe_buf
@@ -1476,7 +1486,7 @@ cdef class UcxBackend(Backend):
             d.cur = wk_open(d)
         if d.cur == NULL:
             raise OSError("UCX could not create a worker (or its event fd, or its active-message handler)")
-        d.hub.fd = d.epfd
+        d.hub.fd = d.epfd if d.sm_possible else d.cur.efd
         d.hub.progress = ucx_hub_progress
         d.hub.arm = ucx_hub_arm
         return dom
