@@ -96,6 +96,11 @@ def _env_bytes(name: str, default: int) -> int:
         raise ValueError(f"{name}={text!r}: expected a number of bytes >= 0")
     return value
 UNFOLD = 1 << 30            # step number of recursive doubling's last transfer
+# Bytes one peer's transfers may occupy here before a receive is posted for
+# them (FABRIC_TORCH_EARLY_MAX); past it the group gives up on that peer.
+# The reader thread cannot leave them on the connection instead: the
+# collectives' messages behind them would wait too.
+EARLY_MAX = 1 << 30
 
 
 class FabricPGError(RuntimeError):
@@ -298,7 +303,7 @@ class _Peer:
     reader thread receives from the endpoint; sends take `send_lock` so a
     header and the message it announces stay adjacent."""
 
-    __slots__ = ("rank", "ep", "lock", "send_lock", "posted", "early", "error", "reader")
+    __slots__ = ("rank", "ep", "lock", "send_lock", "posted", "early", "early_bytes", "error", "reader")
 
     def __init__(self, rank: int, ep) -> None:
         self.rank = rank
@@ -307,6 +312,7 @@ class _Peer:
         self.send_lock = threading.Lock()
         self.posted: dict[tuple, deque] = {}
         self.early: dict[tuple, deque] = {}
+        self.early_bytes = 0                # what `early` holds (FABRIC_TORCH_EARLY_MAX bounds it)
         self.error: str | None = None
         self.reader: threading.Thread | None = None
 
@@ -319,6 +325,7 @@ class _Peer:
                 early = None
                 if queue_ and (waiter.claim is None or waiter.claim.take(self.rank)):
                     early = queue_.popleft()
+                    self.early_bytes -= memoryview(early).nbytes
                     if not queue_:
                         del self.early[key]
                 if early is None:
@@ -365,6 +372,7 @@ class _Peer:
             waiters = [w for q in self.posted.values() for w in q]
             self.posted.clear()
             self.early.clear()
+            self.early_bytes = 0
         for w in waiters:
             w.fail(self.error)
 
@@ -442,6 +450,7 @@ class FabricProcessGroup(dist.ProcessGroup):
         self._scratch: torch.Tensor | None = None
         self._chunk = _env_bytes("FABRIC_TORCH_CHUNK", 0)             # 0: by segment size
         self._ring_min = _env_bytes("FABRIC_TORCH_RING_MIN", -1)       # -1: the fabric's own
+        self._early_max = _env_bytes("FABRIC_TORCH_EARLY_MAX", EARLY_MAX)
         self._fabric = fabric.Fabric(os.environ.get("FABRIC_BACKEND") or None)
         if self._ring_min < 0:
             self._ring_min = RING_MIN_TCP_PAIR if size == 2 and self._fabric.name == "tcp" else RING_MIN
@@ -561,6 +570,17 @@ class FabricProcessGroup(dist.ProcessGroup):
             else:
                 fut.set_result(result)
 
+    def _keep_early(self, p: _Peer, key: tuple, data) -> None:
+        """Keep a transfer nobody has asked for yet (p.lock held), within the
+        group's bound: a peer may not make this rank hold without limit what
+        no receive takes."""
+        p.early.setdefault(key, deque()).append(data)
+        p.early_bytes += memoryview(data).nbytes
+        if p.early_bytes > self._early_max:
+            raise FabricPGError(f"rank {p.rank} sent {p.early_bytes} bytes that no receive was posted for, "
+                                f"more than FABRIC_TORCH_EARLY_MAX={self._early_max}: post receives sooner "
+                                f"or raise the limit")
+
     def _tell_peers(self, message: str) -> None:
         """Best effort: every other rank learns why this one gave up: the
         root cause, not the chain of ranks that passed it on."""
@@ -598,7 +618,7 @@ class FabricProcessGroup(dist.ProcessGroup):
                     with p.lock:
                         waiter = p.take_posted(key)
                         if waiter is None:
-                            p.early.setdefault(key, deque()).append(data)
+                            self._keep_early(p, key, data)
                     if waiter is not None:
                         waiter.fill(data)
                     continue
@@ -617,7 +637,7 @@ class FabricProcessGroup(dist.ProcessGroup):
                     with p.lock:                           # a receive may have been posted meanwhile
                         waiter = p.take_posted(key)
                         if waiter is None:
-                            p.early.setdefault(key, deque()).append(message)
+                            self._keep_early(p, key, message)
                 if waiter is not None:
                     waiter.fill(message)
             except (ConnectionClosed, ConnectionLost) as e:

@@ -350,6 +350,26 @@ def p2p():
               "receives from any rank: data of the wrong rank")
     else:
         dist.send(torch.full((4,), float(RANK)), 0, group=fab, tag=50)
+    # rank 1 sends more than FABRIC_TORCH_EARLY_MAX bytes that rank 0 posts no
+    # receive for: rank 0 gives up on rank 1 with an error naming the limit
+    # (it does not hold them all), and rank 1's sends fail
+    os.environ["FABRIC_TORCH_EARLY_MAX"] = str(1 << 20)
+    flooded = dist.new_group(backend="fabric", timeout=datetime.timedelta(seconds=30))
+    del os.environ["FABRIC_TORCH_EARLY_MAX"]
+    if RANK == 1:
+        floods = [dist.isend(torch.zeros(1 << 16), 0, group=flooded, tag=91 + k) for k in range(8)]  # 8 x 256 KiB
+        try:
+            for w in floods:
+                w.wait()
+        except RuntimeError:
+            pass                        # rank 0 closed the connection: expected, not required
+    elif RANK == 0:
+        try:
+            dist.recv(torch.empty(4), 1, group=flooded, tag=90)
+            FAILURES.append("a receive completed that nothing was sent for")
+        except RuntimeError as e:
+            check("FABRIC_TORCH_EARLY_MAX" in str(e), f"an early-transfer flood reported as: {e}")
+    dist.barrier()                      # (gloo, the default group)
     # tensors fabric cannot move are refused at the call; the group goes on
     try:
         dist.all_reduce(torch.ones(4).to_sparse(), group=fab)
