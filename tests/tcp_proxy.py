@@ -61,6 +61,14 @@ class Proxy:
         self.frozen.set()
 
     def close(self):
+        # shutdown first: it wakes the relay's threads blocked in accept() and
+        # recv() (close() alone leaves them blocked until interpreter exit,
+        # where they fail with nobody left to report it)
+        for s in [self.lst] + self.socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         self.lst.close()
         for s in self.socks:
             s.close()

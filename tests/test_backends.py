@@ -293,3 +293,5 @@ def test_the_bootstrap_socket_watches_the_peer(name, event, monkeypatch):
         client.close()
         server.close()
         lst.close()
+        a.close()
+        b.close()
