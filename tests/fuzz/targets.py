@@ -91,38 +91,50 @@ LISTENER_PREAMBLE = b"FBAU" + bytes([1, 1, 0, 0]) + b"tcp".ljust(8, b"\0") + b"\
 AUTH_KEY = b"fuzzing key, 32 bytes long......"
 
 
+def _connection(fab, payload: bytes):
+    """(endpoint, socket): one end of a socketpair attached to fab as a new
+    connection, and the other end, which has sent payload and shut down its
+    writing side."""
+    ours, theirs = socket.socketpair()
+    ep = fab._worker._attach_connected(ours.detach())
+    theirs.setblocking(False)
+    try:
+        theirs.sendall(payload)
+    except BlockingIOError:
+        pass
+    theirs.shutdown(socket.SHUT_WR)
+    return ep, theirs
+
+
+def _drain(sock) -> None:
+    """Drop what the engine has answered so far."""
+    try:
+        while sock.recv(1 << 16):
+            pass
+    except (BlockingIOError, ConnectionError):
+        pass
+
+
 def fuzz_handshake(data: bytes) -> None:
     """The first byte chooses how the rest is framed: raw at the socket
     (fuzzing both layers) or cut into tcp-framed fabric messages (reaching
     the engine's frame handlers)."""
     fab = _get_fabric()
-    ours, theirs = socket.socketpair()
-    ep = fab._worker._attach_connected(ours.detach())
+    if data and data[0] & 1:
+        payload = data[1:]
+    else:
+        # u16 length, then that many bytes, repeated: one fabric message each
+        payload = b""
+        rest = data[1:]
+        while len(rest) >= 2:
+            n = int.from_bytes(rest[:2], "little") % (MAX_RECV + 1)
+            payload += wire(rest[2:2 + n])
+            rest = rest[2 + n:]
+    ep, theirs = _connection(fab, LISTENER_PREAMBLE + payload[:1 << 16])
     try:
-        theirs.setblocking(False)
-        if data and data[0] & 1:
-            payload = data[1:]
-        else:
-            # u16 length, then that many bytes, repeated: one fabric message each
-            payload = b""
-            rest = data[1:]
-            while len(rest) >= 2:
-                n = int.from_bytes(rest[:2], "little") % (MAX_RECV + 1)
-                payload += wire(rest[2:2 + n])
-                rest = rest[2 + n:]
-        try:
-            theirs.sendall(LISTENER_PREAMBLE + payload[:1 << 16])
-        except BlockingIOError:
-            pass
-        theirs.shutdown(socket.SHUT_WR)
         for _ in range(64):
             fab.progress()
-            try:
-                while True:
-                    if not theirs.recv(1 << 16):
-                        break
-            except (BlockingIOError, ConnectionError):
-                pass
+            _drain(theirs)
             if ep._state() < 0:
                 break
             try:
@@ -154,25 +166,14 @@ def fuzz_auth(data: bytes) -> None:
     global _keyed
     if _keyed is None:
         _keyed = fabric.Fabric("tcp", auth_key=AUTH_KEY, **OPTIONS)
-    ours, theirs = socket.socketpair()
-    ep = _keyed._worker._attach_connected(ours.detach())
+    payload = data[1:]
+    if data and data[0] & 1:
+        payload = b"FBAU" + bytes([1, 1, 1, 0]) + b"tcp".ljust(8, b"\0") + b"\x5a" * 32 + payload
+    ep, theirs = _connection(_keyed, payload[:1 << 12])
     try:
-        theirs.setblocking(False)
-        payload = data[1:]
-        if data and data[0] & 1:
-            payload = b"FBAU" + bytes([1, 1, 1, 0]) + b"tcp".ljust(8, b"\0") + b"\x5a" * 32 + payload
-        try:
-            theirs.sendall(payload[:1 << 12])
-        except BlockingIOError:
-            pass
-        theirs.shutdown(socket.SHUT_WR)
         for _ in range(16):
             _keyed.progress()
-            try:
-                while theirs.recv(1 << 12):
-                    pass
-            except (BlockingIOError, ConnectionError):
-                pass
+            _drain(theirs)
             if ep._state() < 0:
                 break
         assert ep._state() < 0, "an endpoint passed authentication without the key"
