@@ -274,15 +274,23 @@ cdef class Backend:
 from fabric._posix cimport snprintf, strerror, EPROTO
 
 
+cdef inline int fab_fail_saying(fab_channel* ch, int err, const char* reason) noexcept nogil:
+    """fab_fail with `reason` as the whole explanation, whatever err is (a
+    TLS library's own text, say)."""
+    if not ch.failed:
+        ch.failed = err
+        snprintf(ch.error, FAB_ERROR_TEXT, "%s", reason)
+    return -err
+
 cdef inline int fab_fail(fab_channel* ch, int err, const char* what) noexcept nogil:
     """Mark a channel failed (first reason wins) and return -err.
 
     err is a positive errno; for protocol violations pass EPROTO and a full
     sentence in `what`."""
     if not ch.failed:
-        ch.failed = err
         if err == EPROTO:  # `what` is the whole explanation
-            snprintf(ch.error, FAB_ERROR_TEXT, "%s", what)
-        else:
-            snprintf(ch.error, FAB_ERROR_TEXT, "%s: %s", what, strerror(err))
+            return fab_fail_saying(ch, err, what)
+        ch.failed = err
+        snprintf(ch.error, FAB_ERROR_TEXT, "%s: %s", what, strerror(err))
     return -err
+

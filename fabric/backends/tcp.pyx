@@ -136,9 +136,8 @@ cdef ssize_t tls_result(tcp_chan* c, ssize_t r, const char* text) noexcept nogil
     EKEYREJECTED, which the engine reports as an AuthenticationError; a
     reset stays a reset). errno stays for the caller."""
     cdef int err = errno
-    if r < 0 and err != EAGAIN and text[0] and not c.base.failed:
-        c.base.failed = err if err in (EKEYREJECTED_, ECONNRESET, EPIPE) else EPROTO
-        snprintf(c.base.error, FAB_ERROR_TEXT, "%s", text)
+    if r < 0 and err != EAGAIN and text[0]:
+        fab_fail_saying(&c.base, err if err in (EKEYREJECTED_, ECONNRESET, EPIPE) else EPROTO, text)
         set_errno(err)
     return r
 
