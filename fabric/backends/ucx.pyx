@@ -96,7 +96,6 @@ cdef extern from "ucx_shim.h" nogil:
         UCS_OK
         UCS_INPROGRESS
         UCS_ERR_BUSY
-        UCS_ERR_NO_RESOURCE
         UCP_AM_RECV_ATTR_FLAG_DATA
         UCP_AM_RECV_ATTR_FLAG_RNDV
 
@@ -220,15 +219,15 @@ cdef struct ucx_domain:
     ucp_context_h context
     ucx_wk* cur          # the worker new channels use (NULL: none could be made)
     ucx_wk* workers      # all of them, cur included
-    int epfd             # the hub's fd: the workers' event fds and the timer
-    int timerfd          # the probe's deadlines
+    int epfd             # the hub's fd: the workers' event fds and the timer (-1: not sm_possible)
+    int timerfd          # the probe's deadlines (-1: not sm_possible)
     int sm_possible      # connections may use shared memory (and can wedge the queue)
     # the probe of cur's shared-memory receive queue (see the module doc)
     ucp_worker_h probe_worker
     ucp_ep_h probe_ep
     void* probe_req
     char probe_key[8]    # channel key 0: no channel has it
-    uint64_t probe_seq   # the last probe sent
+    uint64_t probe_seq   # the last probe sent (and how many were)
     uint64_t probe_seen  # the last probe that arrived
     double probe_deadline  # 0: none outstanding
     int probe_tries      # deadlines the outstanding probe has missed
@@ -237,7 +236,6 @@ cdef struct ucx_domain:
     ucp_dt_iov_t probe_iov
     char probe_buf[8]    # the probe's sequence number
     double timer_at      # when timerfd is set to fire (0: not set)
-    uint64_t probes      # sent, in all
     uint64_t wedges      # workers found wedged
     int peer_errors      # can ask UCX for peer-failure reports (not on shared memory only)
     int local_none       # offers error mode NONE (shared memory) to peers on this host
@@ -341,7 +339,7 @@ cdef ucx_wk* wk_open(ucx_domain* d) noexcept nogil:
     ev.events = EPOLLIN
     if (ucp_worker_get_efd(wk.worker, &wk.efd) != UCS_OK
             or fab_ucx_set_am_handler(wk.worker, on_am, d) != UCS_OK
-            or epoll_ctl(d.epfd, EPOLL_CTL_ADD, wk.efd, &ev) < 0):
+            or (d.epfd >= 0 and epoll_ctl(d.epfd, EPOLL_CTL_ADD, wk.efd, &ev) < 0)):
         ucp_worker_destroy(wk.worker)
         free(wk)
         return NULL
@@ -419,10 +417,15 @@ cdef void timer_set(ucx_domain* d, double at) noexcept nogil:
         timerfd_settime(d.timerfd, TFD_TIMER_ABSTIME, &its, NULL)
     d.timer_at = at
 
-cdef void probe_request(ucx_domain* d) noexcept nogil:
-    """A connection that may have used shared memory ended: probe the
-    receive queue now, and once more a little later."""
+cdef void probe_after_end(ucx_chan* ch) noexcept nogil:
+    """The channel ended (its peer went away, or it closes): if it may have
+    used shared memory, probe the receive queue soon, and once more a little
+    later (a local peer may have died mid-write)."""
+    cdef ucx_domain* d = ch.dom
     cdef double now
+    if ch.probe_noted or ch.ep_peer_mode:
+        return
+    ch.probe_noted = 1
     if not d.sm_possible or d.closing or d.cur == NULL:
         return
     now = monotonic_now()
@@ -485,11 +488,11 @@ cdef void probe_send(ucx_domain* d, double now) noexcept nogil:
     d.probe_iov.length = 8
     sp = fab_ucx_am_send(d.probe_ep, d.probe_key, 8, &d.probe_iov, 1, on_probe_sent, d)
     if fab_ucx_is_err(sp):
+        d.probe_seq -= 1
         probe_close(d)
         return
     if sp != NULL:
         d.probe_req = sp
-    d.probes += 1
     d.probe_deadline = now + PROBE_WAIT
     d.probe_tries = 0
 
@@ -607,7 +610,7 @@ cdef class UcxDomain:
         wedged and replaced) since the Fabric opened."""
         if self.d == NULL:
             return (0, 0)
-        return (self.d.probes, self.d.wedges)
+        return (self.d.probe_seq, self.d.wedges)
 
     @property
     def endpoints(self):
@@ -767,9 +770,10 @@ cdef int ucx_hub_progress(fab_hub* hub) noexcept nogil:
         hub.activity += 1
     if d.zombies != NULL:
         sweep_zombies(d)
-    probe_tick(d)
-    if d.workers != d.cur or (d.cur != NULL and d.cur.next != NULL):
-        reap_workers(d)
+    if d.sm_possible:
+        probe_tick(d)
+        if d.wedges:
+            reap_workers(d)
     return rounds
 
 cdef int ucx_hub_arm(fab_hub* hub) noexcept nogil:
@@ -1232,9 +1236,8 @@ cdef int ucx_poll(fab_channel* fch, fab_completion* out, int max_events) noexcep
             ch.nhanded += 1
         ch.qhead = (ch.qhead + 1) % ch.qcap
         ch.qcount -= 1
-    if ch.boot.peer_gone and not ch.probe_noted and not ch.ep_peer_mode:
-        ch.probe_noted = 1              # a local peer may have died mid-write (module doc)
-        probe_request(ch.dom)
+    if ch.boot.peer_gone:
+        probe_after_end(ch)
     if ch.boot.peer_gone and ch.qcount == 0 and not fch.failed:
         # everything the peer sent before leaving has been delivered above
         fab_fail(fch, ECONNRESET, "peer closed the connection")
@@ -1296,9 +1299,7 @@ cdef void ucx_close(fab_channel* fch) noexcept nogil:
                 ucp_am_data_release(ch.wk.worker, lg.desc)
         free(lg)
     boot_close(&ch.boot, fch)
-    if not ch.probe_noted and not ch.ep_peer_mode:
-        ch.probe_noted = 1
-        probe_request(d)
+    probe_after_end(ch)
     ch.released = 1
     if ch.reqs != NULL or close_pending(ch):
         ch.is_zombie = 1
@@ -1474,14 +1475,15 @@ cdef class UcxBackend(Backend):
         d.sm_possible = d.local_none or not d.peer_errors
         dom.d = d
         dom.pid = os.getpid()
-        d.epfd = epoll_create1(EPOLL_CLOEXEC)
-        d.timerfd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC)
-        if d.epfd < 0 or d.timerfd < 0:
-            raise OSError(errno, "UCX domain: epoll or timer fd")
-        memset(&ev, 0, sizeof(ev))
-        ev.events = EPOLLIN
-        if epoll_ctl(d.epfd, EPOLL_CTL_ADD, d.timerfd, &ev) < 0:
-            raise OSError(errno, "UCX domain: epoll")
+        if d.sm_possible:               # the probe's timer, and room for a second worker
+            d.epfd = epoll_create1(EPOLL_CLOEXEC)
+            d.timerfd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC)
+            if d.epfd < 0 or d.timerfd < 0:
+                raise OSError(errno, "UCX domain: epoll or timer fd")
+            memset(&ev, 0, sizeof(ev))
+            ev.events = EPOLLIN
+            if epoll_ctl(d.epfd, EPOLL_CTL_ADD, d.timerfd, &ev) < 0:
+                raise OSError(errno, "UCX domain: epoll")
         with nogil:
             d.cur = wk_open(d)
         if d.cur == NULL:
