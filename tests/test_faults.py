@@ -294,3 +294,42 @@ def test_a_peer_crashing_inside_a_send_spares_the_listener(backend_name, victim,
         still_serves(fab, lst, backend_name)
     finally:
         bystander.close(linger=0)
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_crashing_inside_a_send_with_many_asyncio_bystanders(backend_name, victim, peer_factory):
+    """As above at scale: FABRIC_TEST_CONNECTIONS (100) bystanders wait in
+    arecv() from asyncio when the peer crashes. Over UCX shared memory every
+    one of them fails with the ConnectionLost that names the queue (none
+    hangs); elsewhere every one still gets its message."""
+    import asyncio
+    fab, lst = victim
+    n = min(int(os.environ.get("FABRIC_TEST_CONNECTIONS", "100")), 100)
+    shared_memory = backend_name == "ucx" and os.environ.get("UCX_TLS", "sm") == "sm"
+    bystander = fabric.Fabric(backend_name, **small_options())
+
+    async def main():
+        nears = await asyncio.gather(*[bystander.aconnect(lst.address, timeout=HANG) for _ in range(n)])
+        fars = [await lst.aaccept(timeout=HANG) for _ in range(n)]
+        waiting = [asyncio.ensure_future(far.arecv(timeout=HANG)) for far in fars]
+        peer = peer_factory("crash_in_send", lst.address, backend=backend_name)
+        ep = await lst.aaccept(timeout=HANG)
+        assert await ep.arecv(timeout=HANG) == b"hello"
+        assert peer.first_line == "crashing"
+        await asyncio.get_running_loop().run_in_executor(None, peer.wait, HANG)
+        for near in nears:
+            await near.asend(b"after")
+        return await asyncio.gather(*waiting, return_exceptions=True)
+
+    try:
+        results = asyncio.run(main())
+        if shared_memory:
+            assert all(isinstance(r, fabric.ConnectionLost) and "shared-memory receive queue blocked" in str(r)
+                       for r in results), {type(r).__name__ for r in results}
+        else:
+            assert all(not isinstance(r, BaseException) and r == b"after" for r in results), \
+                {type(r).__name__ for r in results}
+        still_serves(fab, lst, backend_name)
+    finally:
+        bystander.close(linger=0)
+
