@@ -81,6 +81,9 @@ extensions = [
     ext("fabric.protocol.frame"),
     ext("fabric.protocol.engine", include_dirs=["fabric/backends"]),   # hmac_sha256.h (authentication)
     ext("fabric._buffers"),
+    # fabric.grpc's HTTP/2 core: HPACK and the connection state machine
+    ext("fabric.grpc._hpack"),
+    ext("fabric.grpc._h2"),
 ]
 
 # TLS for the tcp fabric, where OpenSSL's headers are (libssl-dev); without

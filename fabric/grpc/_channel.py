@@ -10,7 +10,7 @@ from concurrent import futures
 
 import grpc
 
-from fabric.grpc import _http2, _keepalive, _tls, _transport, _wire
+from fabric.grpc import _h2, _http2, _keepalive, _tls, _transport, _wire
 
 USER_AGENT = b"fabric-grpc/0.1"
 
@@ -88,10 +88,13 @@ class _Call(grpc.Call, grpc.Future):
     the grpc.Call / grpc.Future / response-iterator faces grpcio gives it."""
 
     _plugins = ()                 # metadata plugins of the call's credentials
+    _unary = False                # one response expected: OK without it is INTERNAL
+    _encoding = None              # grpc-encoding of our requests (None: identity)
 
-    def __init__(self, channel, method: str, deserializer, timeout, metadata, wait_for_ready=None):
+    def __init__(self, channel, method: str, path: bytes, deserializer, timeout, metadata, wait_for_ready=None):
         self._channel = channel
         self._method = method
+        self._path = path
         self._deserialize = deserializer
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._timeout = timeout
@@ -100,62 +103,76 @@ class _Call(grpc.Call, grpc.Future):
         self._details = ""
         self._initial = None
         self._trailing = ()
-        self._callbacks = []
-        self._done_callbacks = []
+        self._callbacks = None
+        self._done_callbacks = None
         self._state_lock = threading.Lock()
-        self._done = threading.Event()
+        self._done = None             # a threading.Event, made only for result() / exception()
         self._result = None
-        # a unary response taken off the stream but not yet stored in
-        # _result: the call may not be finished OK (result() would see None)
-        self._holding = False
-        self._unary = False          # one response expected: OK without it is INTERNAL
         self._got_response = False
         self._stream = None
         self._conn = None
+        self._waiter = _http2.Waiter()
         self._wait_for_ready = wait_for_ready
-        self._encoding = None            # grpc-encoding of our requests (None: identity)
 
     # -- starting
-    def _start_unary(self, request, serializer):
-        """Headers, the one request and end of stream, in one write."""
-        try:
-            conn = self._channel._connection(self._deadline, self._wait_for_ready)
-        except Exception:
-            return self._start(end_stream=False)          # reports the failure
-        try:
-            with conn.cork():
-                if self._start(end_stream=False):
-                    self._send(request, serializer, end_stream=True)
-        except _http2.ConnectionFailed as e:          # the corked write failed: the peer is gone
-            self._settle()
-            if self._code is None:
-                self._abort(grpc.StatusCode.UNAVAILABLE, f"connection lost: {e}")
-
-    def _start(self, end_stream: bool):
-        headers = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", self._method.encode()),
-                   (b":authority", self._channel._authority), (b"te", b"trailers"),
-                   (b"content-type", _wire.CONTENT_TYPE), (b"user-agent", USER_AGENT),
-                   (b"grpc-accept-encoding", _wire.ACCEPT_ENCODING)]
+    def _headers(self):
+        """The request headers, or None (the call ended with an error)."""
+        headers = self._channel._headers_of(self._path)
         if self._encoding not in (None, "identity"):
             headers.append((b"grpc-encoding", self._encoding.encode()))
         if self._timeout is not None:
             headers.append((b"grpc-timeout", _wire.encode_timeout(max(self._deadline - time.monotonic(), 0))))
         try:
-            headers.extend(_wire.metadata_to_headers(self._metadata))
+            if self._metadata:
+                headers.extend(_wire.metadata_to_headers(self._metadata))
             if self._plugins:
                 headers.extend(_wire.metadata_to_headers(self._credential_metadata()))
         except ValueError as e:
             self._finish(grpc.StatusCode.INTERNAL, str(e))
-            return False
+            return None
         except _tls.CallCredentialsError as e:
             self._finish(e.code, e.details)
-            return False
+            return None
+        return headers
+
+    def _serialize(self, request, serializer):
+        """The request's bytes, or None (the call ended with an error)."""
         try:
-            self._conn = self._channel._connection(self._deadline, self._wait_for_ready)
-            self._stream = self._conn.open_call(headers, end_stream=end_stream)
-        except (_http2.ConnectionFailed, OSError, Exception) as e:
-            if isinstance(e, TimeoutError) or (self._deadline and time.monotonic() >= self._deadline):
+            data = serializer(request) if serializer else request
+            n = memoryview(data).nbytes
+        except Exception as e:
+            self._finish(grpc.StatusCode.INTERNAL, f"Exception serializing request: {e!r}")
+            return None
+        max_send = self._channel._max_send
+        if max_send >= 0 and n > max_send:
+            self._finish(grpc.StatusCode.RESOURCE_EXHAUSTED, f"Sent message larger than max ({n} vs. {max_send})")
+            return None
+        return data
+
+    def _start(self, request=None, serializer=None, unary_request=False) -> bool:
+        """Headers (and, unary_request, the one request and end of stream)
+        in one write."""
+        headers = self._headers()
+        if headers is None:
+            return False
+        payload, compressed = None, False
+        if unary_request:
+            data = self._serialize(request, serializer)
+            if data is None:
+                return False
+            payload, compressed = _wire.maybe_compress(data, self._encoding)
+        try:
+            conn = self._channel._connection(self._deadline, self._wait_for_ready)
+            self._conn = conn
+            self._stream = conn.open_call(self._waiter, headers, payload, compressed, self._deadline)
+        except TimeoutError:
+            self._finish(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            return False
+        except Exception as e:
+            if self._deadline is not None and time.monotonic() >= self._deadline:
                 self._finish(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            elif self._conn is not None:
+                self._finish(grpc.StatusCode.UNAVAILABLE, f"connection lost: {e}")
             else:
                 self._finish(grpc.StatusCode.UNAVAILABLE, f"failed to connect to {self._channel._target}: {e}")
             return False
@@ -173,7 +190,7 @@ class _Call(grpc.Call, grpc.Future):
                                     self._method, left)
 
     def _on_deadline(self):
-        if not self._done.is_set():
+        if self._code is None:
             self._abort(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
     def _abort(self, code, details):
@@ -188,41 +205,38 @@ class _Call(grpc.Call, grpc.Future):
             self._code, self._details = code, details
             if trailing is not None:
                 self._trailing = trailing
-            callbacks, self._callbacks = self._callbacks, []
-            done_callbacks, self._done_callbacks = self._done_callbacks, []
-        self._done.set()
-        if self._stream is not None:
-            with self._stream.cond:
-                self._stream.cond.notify_all()
-            self._conn.forget(self._stream)
-        for cb in callbacks:
+            callbacks, self._callbacks = self._callbacks, None
+            done_callbacks, self._done_callbacks = self._done_callbacks, None
+            if self._done is not None:
+                self._done.set()
+        s = self._stream
+        if s is not None:
+            conn = self._conn
+            with conn.lock:
+                self._waiter.wake()         # a thread of ours may be waiting on the stream
+            conn.forget(s)
+        for cb in callbacks or ():
             try:
                 cb()
             except Exception:
                 pass
-        for cb in done_callbacks:
+        for cb in done_callbacks or ():
             try:
                 cb(self)
             except Exception:
                 pass
         return True
 
-    # -- sending
-    def _send(self, request, serializer, end_stream: bool):
-        max_send = self._channel._max_send
-        try:
-            data = serializer(request) if serializer else request
-        except Exception as e:
-            self._abort(grpc.StatusCode.INTERNAL, f"Exception serializing request: {e!r}")
-            return False
-        n = memoryview(data).nbytes
-        if max_send >= 0 and n > max_send:
-            self._abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"Sent message larger than max ({n} vs. {max_send})")
+    # -- sending (streaming requests)
+    def _send(self, request, serializer, end_stream: bool) -> bool:
+        data = self._serialize(request, serializer)
+        if data is None:
+            if self._stream is not None:
+                self._conn.reset(self._stream)
             return False
         try:
-            self._conn.send_message(self._stream, data, end_stream=end_stream, deadline=self._deadline,
-                                    encoding=self._encoding)
+            self._conn.send_message(self._stream, self._send_waiter, data, end_stream=end_stream,
+                                    deadline=self._deadline, encoding=self._encoding)
         except TimeoutError:
             self._abort(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
             return False
@@ -239,6 +253,7 @@ class _Call(grpc.Call, grpc.Future):
 
     def _consume_requests(self, iterator, serializer):
         """Send every request of an iterator, then half-close (own thread)."""
+        self._send_waiter = _http2.Waiter()
         try:
             for request in iterator:
                 if self._code is not None:
@@ -252,84 +267,90 @@ class _Call(grpc.Call, grpc.Future):
             self._close_send()
 
     # -- receiving
-    def _settle(self):
-        """(no lock) If the stream has ended or failed, record the status."""
+    def _settle(self, pending=None):
+        """If the stream has ended or failed, record the status. pending:
+        messages are still to be taken (the status waits for them)."""
         s = self._stream
         if s is None or self._code is not None:
             return
-        with s.cond:
+        conn = self._conn
+        with conn.lock:
             failure, reset, ended, trailers, headers = s.failure, s.reset_code, s.ended, s.trailers, s.headers
-            pending = bool(s.messages) or self._holding
+            if pending is None:
+                pending = bool(s.messages)
         if failure is not None:
             if isinstance(failure, _wire.WireError):
                 self._abort(failure.code, failure.details)
+            elif isinstance(failure, _h2.H2Error):
+                self._finish(grpc.StatusCode.INTERNAL, str(failure))
             else:
                 self._finish(grpc.StatusCode.UNAVAILABLE, f"connection lost: {failure}")
         elif ended and not pending:
+            self._finish_from_headers(headers, trailers)
+        elif s.peer_done and not pending:
             self._finish_from_headers(headers, trailers)
         elif reset is not None:
             self._finish(grpc.StatusCode.CANCELLED if reset == 8 else grpc.StatusCode.INTERNAL,
                          f"Received RST_STREAM with error code {int(reset)}")
 
     def _finish_from_headers(self, headers, trailers):
-        hdr = dict(headers or ())
         if trailers is None:
             # Trailers-Only: the status is in the only HEADERS frame
             trailers, headers = headers, None
             if self._initial is None:
                 self._initial = ()
-        status = hdr.get(b":status", b"200")
+        status = b"200"
+        for k, v in trailers or ():
+            if k == b":status":
+                status = v
+                break
         if status != b"200":
-            code = _wire.status_from_http(int(status))
-            self._finish(code, f"Received http2 header with status: {int(status)}")
+            try:
+                number = int(status)
+            except ValueError:
+                number = 0
+            self._finish(_wire.status_from_http(number), f"Received http2 header with status: {number}")
             return
-        tr = dict(trailers or ())
-        code, details = _wire.status_of(tr)
+        code, details = _wire.status_of_headers(trailers or ())
         if code == grpc.StatusCode.OK and self._unary and not self._got_response:
             code, details = grpc.StatusCode.INTERNAL, "No message returned for unary call"
         self._finish(code, details, trailing=_wire.headers_to_metadata(trailers or ()))
 
-    def _next_message(self, hold=False):
-        """The next response message, or None when the call is over. With
-        hold, the call cannot finish until _release() (the caller stores the
-        response first)."""
+    def _ready(self):
+        s = self._stream
+        return bool(s.messages) or s.ended or s.failure is not None or s.reset_code is not None or \
+            s.peer_done or self._code is not None
+
+    def _next_message(self):
+        """The next response message, or None when the call is over."""
         s = self._stream
         if s is None:
             return None
-        with s.cond:
-            ok = s.wait(lambda: bool(s.messages) or s.ended or self._code is not None, self._deadline)
+        conn = self._conn
+        with conn.lock:
+            ok = conn.await_(self._waiter, self._ready, self._deadline)
             self._capture_initial(s)
-            if s.messages and self._code is None:
-                msg = s.take_message()
-                self._holding = hold
-            else:
-                msg = None
+            msg = conn.take_message(s) if s.messages and self._code is None else None
         if msg is not None:
-            s.sent_acks()
+            conn.sent_acks()
             return msg
         if not ok:
             self._on_deadline()
         self._settle()
         return None
 
-    def _release(self):
-        s = self._stream
-        with s.cond:
-            self._holding = False
-            s.cond.notify_all()
-        self._settle()
-
     def _capture_initial(self, s):
-        """(stream lock held) Initial metadata once the response headers are
-        in; a Trailers-Only response (status in its only HEADERS) has none."""
+        """(connection lock held) Initial metadata once the response headers
+        are in; a Trailers-Only response (status in its only HEADERS) has none."""
         if self._initial is None and s.headers is not None:
-            hdr = dict(s.headers)
-            self._initial = () if b"grpc-status" in hdr else _wire.headers_to_metadata(s.headers)
+            if s.trailers is None and s.ended and any(k == b"grpc-status" for k, _ in s.headers):
+                self._initial = ()
+            else:
+                self._initial = _wire.headers_to_metadata(s.headers)
 
     def _deserialize_message(self, msg):
         try:
-            return self._deserialize(msg if not isinstance(msg, memoryview) else msg.tobytes()) \
-                if self._deserialize else bytes(msg)
+            return self._deserialize(msg) if self._deserialize else msg
         except Exception as e:
             self._abort(grpc.StatusCode.INTERNAL, f"Exception deserializing response! {e!r}")
             raise self._error() from None
@@ -340,50 +361,70 @@ class _Call(grpc.Call, grpc.Future):
         while self._code is None:
             if s is None:
                 break
-            with s.cond:
-                ok = s.wait(lambda: (s.ended and not self._holding) or self._code is not None,
-                            min(x for x in (deadline, self._deadline) if x is not None)
-                            if deadline or self._deadline else None)
-            self._settle()
+            conn = self._conn
+            with conn.lock:
+                ok = conn.await_(self._waiter, lambda: (s.ended or s.peer_done) or s.failure is not None or
+                                 s.reset_code is not None or self._code is not None,
+                                 min(x for x in (deadline, self._deadline) if x is not None)
+                                 if deadline or self._deadline else None)
+                pending = bool(s.messages)
+            self._settle(pending=False if (s.ended and not pending) else None)
             if not ok:
                 if self._deadline and time.monotonic() >= self._deadline:
                     self._on_deadline()
                 elif deadline and time.monotonic() >= deadline:
                     raise grpc.FutureTimeoutError()
+            elif pending and self._code is None:
+                # messages nobody will read (a streaming response not iterated to its end)
+                with conn.lock:
+                    while s.messages:
+                        conn.take_message(s)
+                conn.sent_acks()
         return self._code
 
     def _error(self):
         return RpcError(self._code, self._details, self._initial or (), self._trailing)
 
     def _unary_response(self):
-        """Wait for the single response of a unary-response call."""
-        msg = self._next_message(hold=True)
-        if msg is None:
-            if self._code is None:
-                self._wait_done()
-            raise self._error()
-        try:
-            self._result = self._deserialize_message(msg)
-            self._got_response = True
-        finally:
-            self._release()
-        response = self._result
-        extra = self._next_message()
-        if extra is not None:
-            self._abort(grpc.StatusCode.INTERNAL, "Too many responses for unary call")
-        if self._code is None:
-            self._wait_done()
+        """Wait for the single response of a unary-response call and the
+        status: one wait, woken once, when the response (with its trailers,
+        usually in the same read) is in."""
+        s = self._stream
+        conn = self._conn
+        if s is not None:
+            with conn.lock:
+                ok = conn.await_(self._waiter, lambda: s.ended or len(s.messages) > 1 or s.failure is not None or
+                                 s.reset_code is not None or s.peer_done or self._code is not None,
+                                 self._deadline)
+                self._capture_initial(s)
+                msgs = []
+                while s.messages:
+                    msgs.append(conn.take_message(s))
+            if conn.pending:
+                conn.sent_acks()
+            if not ok:
+                self._on_deadline()
+            elif self._code is None:
+                if len(msgs) > 1:
+                    self._abort(grpc.StatusCode.INTERNAL, "Too many responses for unary call")
+                elif msgs and s.failure is None:
+                    self._result = self._deserialize_message(msgs[0])
+                    self._got_response = True
+                self._settle(pending=False)
+                if self._code is None:
+                    self._wait_done()
         if self._code != grpc.StatusCode.OK:
             raise self._error()
-        self._result = response
-        return response
+        return self._result
 
     # -- grpc.Call / RpcContext
     def initial_metadata(self):
         s = self._stream
         if self._initial is None and s is not None:
-            with s.cond:
-                s.wait(lambda: s.headers is not None or s.ended or self._code is not None, self._deadline)
+            conn = self._conn
+            with conn.lock:
+                conn.await_(self._waiter, lambda: s.headers is not None or s.ended or s.failure is not None or
+                            s.reset_code is not None or self._code is not None, self._deadline)
                 self._capture_initial(s)
         return self._initial or ()
 
@@ -417,11 +458,21 @@ class _Call(grpc.Call, grpc.Future):
     def add_callback(self, callback):
         with self._state_lock:
             if self._code is None:
+                if self._callbacks is None:
+                    self._callbacks = []
                 self._callbacks.append(callback)
                 return True
         return False
 
     # -- grpc.Future
+    def _done_event(self):
+        with self._state_lock:
+            if self._done is None:
+                self._done = threading.Event()
+                if self._code is not None:
+                    self._done.set()
+            return self._done
+
     def cancelled(self):
         return self._code == grpc.StatusCode.CANCELLED
 
@@ -432,7 +483,7 @@ class _Call(grpc.Call, grpc.Future):
         return self._code is not None
 
     def result(self, timeout=None):
-        if not self._done.wait(timeout):
+        if not self._done_event().wait(timeout):
             raise grpc.FutureTimeoutError()
         if self._code == grpc.StatusCode.OK:
             return self._result
@@ -441,7 +492,7 @@ class _Call(grpc.Call, grpc.Future):
         raise self._error()
 
     def exception(self, timeout=None):
-        if not self._done.wait(timeout):
+        if not self._done_event().wait(timeout):
             raise grpc.FutureTimeoutError()
         if self._code == grpc.StatusCode.OK:
             return None
@@ -456,6 +507,8 @@ class _Call(grpc.Call, grpc.Future):
     def add_done_callback(self, fn):
         with self._state_lock:
             if self._code is None:
+                if self._done_callbacks is None:
+                    self._done_callbacks = []
                 self._done_callbacks.append(fn)
                 return
         fn(self)
@@ -484,17 +537,31 @@ class _MultiCallable:
     def __init__(self, channel, method, request_serializer, response_deserializer):
         self._channel = channel
         self._method = method
+        self._path = method.encode()
         self._serialize = request_serializer
         self._deserialize = response_deserializer
 
     _unary_response = False
 
     def _new_call(self, timeout, metadata, wait_for_ready, compression=None, credentials=None):
-        call = _Call(self._channel, self._method, self._deserialize, timeout, metadata, wait_for_ready)
-        call._plugins = self._channel._call_plugins + _tls.call_plugins(credentials)
-        call._unary = self._unary_response
-        call._encoding = (self._channel._encoding if compression is None
-                          else _wire.encoding_of(compression))
+        call = _Call(self._channel, self._method, self._path, self._deserialize, timeout, metadata, wait_for_ready)
+        plugins = self._channel._call_plugins
+        if credentials is not None:
+            plugins = plugins + _tls.call_plugins(credentials)
+        if plugins:
+            call._plugins = plugins
+        if self._unary_response:
+            call._unary = True
+        encoding = self._channel._encoding if compression is None else _wire.encoding_of(compression)
+        if encoding is not None:
+            call._encoding = encoding
+        return call
+
+    def _start_streaming(self, request_iterator, timeout, metadata, wait_for_ready, compression, credentials):
+        call = self._new_call(timeout, metadata, wait_for_ready, compression, credentials)
+        if call._start():
+            threading.Thread(target=call._consume_requests, args=(request_iterator, self._serialize),
+                             daemon=True, name="fabric-grpc-requests").start()
         return call
 
 
@@ -503,12 +570,15 @@ class UnaryUnaryMultiCallable(_MultiCallable, grpc.UnaryUnaryMultiCallable):
 
     def _invoke(self, request, timeout, metadata, wait_for_ready, compression, credentials=None):
         call = self._new_call(timeout, metadata, wait_for_ready, compression, credentials)
-        call._start_unary(request, self._serialize)
+        call._start(request, self._serialize, unary_request=True)
         return call
 
     def __call__(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
                  compression=None):
-        return self.with_call(request, timeout, metadata, credentials, wait_for_ready, compression)[0]
+        call = self._invoke(request, timeout, metadata, wait_for_ready, compression, credentials)
+        if call._code is not None:
+            raise call._error()
+        return call._unary_response()
 
     def with_call(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
                   compression=None):
@@ -536,19 +606,12 @@ class UnaryStreamMultiCallable(_MultiCallable, grpc.UnaryStreamMultiCallable):
     def __call__(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
                  compression=None):
         call = self._new_call(timeout, metadata, wait_for_ready, compression, credentials)
-        call._start_unary(request, self._serialize)
+        call._start(request, self._serialize, unary_request=True)
         return call
 
 
 class StreamUnaryMultiCallable(_MultiCallable, grpc.StreamUnaryMultiCallable):
     _unary_response = True
-
-    def _invoke(self, request_iterator, timeout, metadata, wait_for_ready, compression, credentials=None):
-        call = self._new_call(timeout, metadata, wait_for_ready, compression, credentials)
-        if call._start(end_stream=False):
-            threading.Thread(target=call._consume_requests, args=(request_iterator, self._serialize),
-                             daemon=True, name="fabric-grpc-requests").start()
-        return call
 
     def __call__(self, request_iterator, timeout=None, metadata=None, credentials=None,
                  wait_for_ready=None, compression=None):
@@ -557,14 +620,14 @@ class StreamUnaryMultiCallable(_MultiCallable, grpc.StreamUnaryMultiCallable):
 
     def with_call(self, request_iterator, timeout=None, metadata=None, credentials=None,
                   wait_for_ready=None, compression=None):
-        call = self._invoke(request_iterator, timeout, metadata, wait_for_ready, compression, credentials)
+        call = self._start_streaming(request_iterator, timeout, metadata, wait_for_ready, compression, credentials)
         if call._code is not None:
             raise call._error()
         return call._unary_response(), call
 
     def future(self, request_iterator, timeout=None, metadata=None, credentials=None,
                wait_for_ready=None, compression=None):
-        call = self._invoke(request_iterator, timeout, metadata, wait_for_ready, compression, credentials)
+        call = self._start_streaming(request_iterator, timeout, metadata, wait_for_ready, compression, credentials)
         if call._code is None:
             self._channel._pool.submit(_complete_unary, call)
         return call
@@ -573,11 +636,7 @@ class StreamUnaryMultiCallable(_MultiCallable, grpc.StreamUnaryMultiCallable):
 class StreamStreamMultiCallable(_MultiCallable, grpc.StreamStreamMultiCallable):
     def __call__(self, request_iterator, timeout=None, metadata=None, credentials=None,
                  wait_for_ready=None, compression=None):
-        call = self._new_call(timeout, metadata, wait_for_ready, compression, credentials)
-        if call._start(end_stream=False):
-            threading.Thread(target=call._consume_requests, args=(request_iterator, self._serialize),
-                             daemon=True, name="fabric-grpc-requests").start()
-        return call
+        return self._start_streaming(request_iterator, timeout, metadata, wait_for_ready, compression, credentials)
 
 
 class Channel(grpc.Channel):
@@ -605,6 +664,7 @@ class Channel(grpc.Channel):
         self._authority = str(opts.get("grpc.default_authority", authority)).encode()
         self._encoding = _wire.encoding_of(compression if compression is not None
                                            else opts.get("grpc.default_compression_algorithm"))
+        self._header_blocks = {}
         self._conn = None
         self._conn_lock = threading.Lock()
         self._closed = False
@@ -612,7 +672,23 @@ class Channel(grpc.Channel):
         self._pool = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="fabric-grpc-future")
         self._subscribers = []
 
+    def _headers_of(self, path: bytes) -> list:
+        """The request headers every call of a method starts with (a new list)."""
+        block = self._header_blocks.get(path)
+        if block is None:
+            block = ((b":method", b"POST"), (b":scheme", b"https" if self._tls is not None else b"http"),
+                     (b":path", path), (b":authority", self._authority), (b"te", b"trailers"),
+                     (b"content-type", _wire.CONTENT_TYPE), (b"user-agent", USER_AGENT),
+                     (b"grpc-accept-encoding", _wire.ACCEPT_ENCODING))
+            if len(self._header_blocks) < 1024:
+                self._header_blocks[path] = block
+        return list(block)
+
     def _connection(self, deadline=None, wait_for_ready=None) -> _http2.Connection:
+        conn = self._conn
+        if conn is not None and conn.dead is None and conn.goaway_last_stream is None and not conn.closing \
+                and (not conn.callers_read or time.monotonic() - conn.last_read <= _http2.IDLE_CHECK_AFTER):
+            return conn                         # the common case, without the channel's lock
         with self._conn_lock:
             if self._closed:
                 raise _http2.ConnectionFailed("Channel closed!")

@@ -4,14 +4,15 @@ stock gRPC clients) and on fabric addresses (fabric+<backend>://host:port), on
 both at once if asked."""
 from __future__ import annotations
 
+import collections
 import threading
 import time
 import traceback
 
 import grpc
-import h2.errors
 
 from fabric.grpc import _http2, _keepalive, _tls, _transport, _wire
+from fabric.grpc._http2_core import ErrorCodes
 
 
 class _Abort(Exception):
@@ -24,13 +25,31 @@ class HandlerCallDetails(grpc.HandlerCallDetails):
         self.invocation_metadata = invocation_metadata
 
 
+class _LazyDetails(grpc.HandlerCallDetails):
+    """HandlerCallDetails whose metadata is made only if a handler lookup asks."""
+    __slots__ = ("method", "_ctx")
+
+    def __init__(self, method, ctx):
+        self.method = method
+        self._ctx = ctx
+
+    @property
+    def invocation_metadata(self):
+        return self._ctx.invocation_metadata()
+
+
+RESPONSE_HEADERS = ((b":status", b"200"), (b"content-type", _wire.CONTENT_TYPE),
+                    (b"grpc-accept-encoding", _wire.ACCEPT_ENCODING))
+OK_TRAILERS = ((b"grpc-status", b"0"),)
+
+
 class ServicerContext(grpc.ServicerContext):
     """What a handler sees of its call."""
 
-    def __init__(self, server, conn, stream, method, metadata, deadline):
+    def __init__(self, server, conn, stream, method, deadline):
         self._server, self._conn, self._stream = server, conn, stream
         self._method = method
-        self._metadata = metadata
+        self._metadata = None            # made from the headers on first use
         self._deadline = deadline
         self._code = None
         self._details = None
@@ -38,14 +57,18 @@ class ServicerContext(grpc.ServicerContext):
         self._initial_sent = False
         self._finished = False
         self._cancelled = False
-        self._callbacks = []
+        self._callbacks = None
         self._lock = threading.Lock()
         self._compression = None         # set_compression(), else the server's
         self._encoding = None            # what our messages use, fixed with the headers
         self._plain_next = False         # disable_next_message_compression()
+        self._waiter = _http2.Waiter()
+        stream.owner = self._waiter
 
     # -- call information
     def invocation_metadata(self):
+        if self._metadata is None:
+            self._metadata = _wire.headers_to_metadata(self._stream.headers)
         return self._metadata
 
     def peer(self):
@@ -73,13 +96,15 @@ class ServicerContext(grpc.ServicerContext):
         with self._lock:
             if self._finished or self._cancelled:
                 return False
+            if self._callbacks is None:
+                self._callbacks = []
             self._callbacks.append(callback)
             return True
 
     def _run_callbacks(self):
         with self._lock:
-            callbacks, self._callbacks = self._callbacks, []
-        for cb in callbacks:
+            callbacks, self._callbacks = self._callbacks, None
+        for cb in callbacks or ():
             try:
                 cb()
             except Exception:
@@ -151,26 +176,26 @@ class ServicerContext(grpc.ServicerContext):
             if self._initial_sent:
                 raise ValueError("initial metadata was already sent")
             self._initial_sent = True
-        self._send_headers(initial_metadata)
+        self._conn.send_headers(self._stream, self._response_headers(initial_metadata))
 
-    def _send_headers(self, metadata=()):
-        headers = [(b":status", b"200"), (b"content-type", _wire.CONTENT_TYPE),
-                   (b"grpc-accept-encoding", _wire.ACCEPT_ENCODING)]
+    def _response_headers(self, metadata=()):
         self._encoding = self._choose_encoding()
+        if self._encoding is None and not metadata:
+            return RESPONSE_HEADERS
+        headers = list(RESPONSE_HEADERS)
         if self._encoding is not None:
             headers.append((b"grpc-encoding", self._encoding.encode()))
-        self._conn.send_headers(self._stream, headers + _wire.metadata_to_headers(metadata))
+        return headers + _wire.metadata_to_headers(metadata)
 
-    def _ensure_headers(self):
+    def _headers_due(self):
+        """The response headers if they are still to be sent (now taken), else None."""
         with self._lock:
             if self._initial_sent:
-                return
+                return None
             self._initial_sent = True
-        self._send_headers()
+        return self._response_headers()
 
-    def _send_response(self, response, serializer):
-        if not self.is_active():
-            return False
+    def _serialize(self, response, serializer):
         try:
             data = serializer(response) if serializer else response
             n = memoryview(data).nbytes
@@ -182,11 +207,56 @@ class ServicerContext(grpc.ServicerContext):
             self._code = grpc.StatusCode.RESOURCE_EXHAUSTED
             self._details = f"Sent message larger than max ({n} vs. {limit})"
             raise _Abort()
-        with self._conn.cork():
-            self._ensure_headers()
-            encoding, self._plain_next = (None if self._plain_next else self._encoding), False
-            self._conn.send_message(self._stream, data, deadline=self._deadline, encoding=encoding)
+        return data
+
+    def _send_response(self, response, serializer):
+        """One message of a streaming response."""
+        if not self.is_active():
+            return False
+        data = self._serialize(response, serializer)
+        headers = self._headers_due()
+        if headers is not None:
+            self._conn.send_headers(self._stream, headers, flush=False)
+        encoding, self._plain_next = (None if self._plain_next else self._encoding), False
+        self._conn.send_message(self._stream, self._waiter, data, deadline=self._deadline, encoding=encoding)
         return True
+
+    def _respond_unary(self, response, serializer):
+        """Headers, the response and the OK trailers in one write."""
+        data = self._serialize(response, serializer)
+        headers = self._headers_due()
+        encoding, self._plain_next = (None if self._plain_next else self._encoding), False
+        payload, compressed = _wire.maybe_compress(data, encoding)
+        with self._lock:
+            if self._finished or self._cancelled:
+                return
+            self._finished = True
+        code = self._code or grpc.StatusCode.OK
+        trailers = OK_TRAILERS if code == grpc.StatusCode.OK and not self._details and not self._trailing \
+            else self._trailers(code, self._details)
+        try:
+            if not self._conn.respond(self._stream, headers, payload, compressed, trailers):
+                self._conn.finish_message(self._stream, self._waiter, self._deadline)
+                self._conn.send_headers(self._stream, trailers, end_stream=True)
+            self._after_trailers()
+        except (_http2.ConnectionFailed, TimeoutError):
+            pass
+        except Exception:
+            self._conn.reset(self._stream, ErrorCodes.INTERNAL_ERROR)
+        finally:
+            self._run_callbacks()
+
+    def _trailers(self, code, details):
+        try:
+            return _wire.trailers(code, details, self._trailing)
+        except Exception as e:
+            return _wire.trailers(grpc.StatusCode.INTERNAL, f"bad status or trailing metadata: {e}")
+
+    def _after_trailers(self):
+        if not self._stream.ended and self._stream.reset_code is None:
+            # the request is not read to its end: the client may stop
+            # sending; the call is complete (RFC 9113 8.1, as grpcio does)
+            self._conn.reset(self._stream, ErrorCodes.NO_ERROR)
 
     def _finish(self, code, details):
         """Trailers (or Trailers-Only) with the status; once. Never raises,
@@ -199,25 +269,43 @@ class ServicerContext(grpc.ServicerContext):
             trailers_only = not self._initial_sent
             self._initial_sent = True
         try:
-            try:
-                trailers = _wire.trailers(code, details, self._trailing)
-            except Exception as e:
-                trailers = _wire.trailers(grpc.StatusCode.INTERNAL, f"bad status or trailing metadata: {e}")
+            trailers = self._trailers(code, details)
             if trailers_only:
-                trailers = [(b":status", b"200"), (b"content-type", _wire.CONTENT_TYPE),
-                            (b"grpc-accept-encoding", _wire.ACCEPT_ENCODING)] + trailers
+                trailers = list(RESPONSE_HEADERS) + trailers
             self._conn.send_headers(self._stream, trailers, end_stream=True)
-            if not self._stream.ended:
-                # the request is not read to its end: the client may stop
-                # sending; the call is complete (RFC 9113 8.1, as grpcio does)
-                self._conn.reset(self._stream, h2.errors.ErrorCodes.NO_ERROR)
+            self._after_trailers()
         except _http2.ConnectionFailed:
             pass
         except Exception:
-            self._conn.reset(self._stream, h2.errors.ErrorCodes.INTERNAL_ERROR)
+            self._conn.reset(self._stream, ErrorCodes.INTERNAL_ERROR)
         finally:
-            self._conn.forget(self._stream)
             self._run_callbacks()
+
+    # -- receiving
+    def _wait_request(self, ready):
+        """(no lock) Until ready() or the stream failed; the messages taken
+        (all of them), and whether the wait ended in time."""
+        s = self._stream
+        conn = self._conn
+        with conn.lock:
+            ok = conn.await_(self._waiter, ready, self._deadline)
+            msgs = []
+            while s.messages:
+                msgs.append(conn.take_message(s))
+        if msgs:
+            conn.sent_acks()
+        return msgs, ok
+
+    def _request_failure(self, ok):
+        """Raise what ends the call when the request cannot be read."""
+        s = self._stream
+        failure = s.failure
+        if isinstance(failure, _wire.WireError):
+            self._code, self._details = failure.code, failure.details
+            raise _Abort()
+        if failure is not None or s.reset_code is not None or not ok:
+            self._on_client_gone()
+            raise _http2.ConnectionFailed("the client went away")
 
 
 class _RequestIterator:
@@ -226,34 +314,32 @@ class _RequestIterator:
     def __init__(self, context, deserializer):
         self._context = context
         self._deserialize = deserializer
+        self._taken = collections.deque()
 
     def __iter__(self):
         return self
 
     def __next__(self):
         ctx = self._context
-        s = ctx._stream
-        with s.cond:
-            ok = s.wait(lambda: bool(s.messages) or s.ended, ctx._deadline)
-            msg = s.take_message() if s.messages else None
-            failure = s.failure
-        if msg is not None:
-            s.sent_acks()
-            return _deserialize(ctx, self._deserialize, msg)
-        if isinstance(failure, _wire.WireError):
-            ctx._code, ctx._details = failure.code, failure.details
-            raise _Abort()
-        if failure is not None or s.reset_code is not None or not ok:
-            ctx._on_client_gone()
-            raise _Abort()
-        raise StopIteration
+        if not self._taken:
+            s = ctx._stream
+            msgs, ok = ctx._wait_request(lambda: bool(s.messages) or s.ended or s.failure is not None
+                                         or s.reset_code is not None)
+            self._taken.extend(msgs)
+            if not self._taken:
+                try:
+                    ctx._request_failure(ok)
+                except _http2.ConnectionFailed:
+                    raise _Abort() from None
+                raise StopIteration
+        return _deserialize(ctx, self._deserialize, self._taken.popleft())
 
     next = __next__
 
 
 def _deserialize(ctx, deserializer, msg):
     try:
-        return deserializer(msg.tobytes() if isinstance(msg, memoryview) else msg) if deserializer else bytes(msg)
+        return deserializer(msg) if deserializer else msg
     except Exception as e:
         ctx._code, ctx._details = grpc.StatusCode.INTERNAL, f"Exception deserializing request! {e!r}"
         raise _Abort() from None
@@ -317,6 +403,7 @@ class Server(HandlerRegistry, grpc.Server):
         self._connections = set()
         self._lock = threading.Lock()
         self._started = False
+        self._timers = _keepalive.Timers("fabric-grpc-server-deadlines")
         self._stopped = threading.Event()
         self._shutdown_started = False
 
@@ -424,6 +511,7 @@ class Server(HandlerRegistry, grpc.Server):
                 conns = list(self._connections)
             for conn in conns:
                 conn.close(graceful=True)
+            self._timers.close()
             self._stopped.set()
             done.set()
 
@@ -437,48 +525,67 @@ class Server(HandlerRegistry, grpc.Server):
         return self._stopped.wait(timeout)
 
     # -- calls
-    def _lookup(self, method, metadata):
+    def _lookup(self, method, ctx):
         """The handler of method, through the interceptors (the first given
         is the outermost, as grpcio chains them)."""
-        details = HandlerCallDetails(method, metadata)
+        handler = self._registered.get(method)
+        if handler is not None and not self._interceptors:
+            return handler
+        details = _LazyDetails(method, ctx)
         if not self._interceptors:
             return self._find_handler(details)
         return intercepted(self._interceptors, 0, self._find_handler, details)
 
     def _on_request(self, conn, stream):
-        """(reader thread) A new call: validate its headers, then run it on the pool."""
-        headers = dict(stream.headers)
-        method = headers.get(b":path", b"").decode("ascii", "replace")
-        ctx = ServicerContext(self, conn, stream, method, _wire.headers_to_metadata(stream.headers), None)
-        ct = headers.get(b"content-type", b"")
-        if headers.get(b":method") != b"POST" or not ct.startswith(_wire.CONTENT_TYPE):
-            self._pool.submit(ctx._finish, grpc.StatusCode.INTERNAL, f"not a gRPC request (content-type {ct!r})")
-            return
-        if b"grpc-timeout" in headers:
-            try:
-                ctx._deadline = time.monotonic() + _wire.decode_timeout(headers[b"grpc-timeout"])
-            except _wire.WireError as e:
-                self._pool.submit(ctx._finish, e.code, e.details)
-                return
-        enc = headers.get(b"grpc-encoding", b"identity").decode("ascii", "replace")
-        if enc not in _wire.ENCODINGS:
-            # the trailers carry grpc-accept-encoding: what we do support
-            self._pool.submit(ctx._finish, grpc.StatusCode.UNIMPLEMENTED,
-                              f"Compression algorithm {enc!r} is not supported (accepted: "
-                              f"{_wire.ACCEPT_ENCODING.decode()})")
-            return
-        if self._max_concurrent is not None and self._active_rpcs >= self._max_concurrent:
-            self._pool.submit(ctx._finish, grpc.StatusCode.RESOURCE_EXHAUSTED, "Concurrent RPC limit exceeded!")
-            return
-        # the client is gone if it reset the call or the connection failed; a
-        # request it got wrong (WireError) ends the call with a status instead
-        stream.on_event = lambda s, c=ctx: (c._on_client_gone()
-                                            if s.reset_code is not None or (
-                                                s.failure is not None
-                                                and not isinstance(s.failure, _wire.WireError))
-                                            else None)
+        """(reader thread) A new call: check its headers, then run it on the pool."""
+        method = path = ct = timeout = None
+        enc = b"identity"
+        for k, v in stream.headers:
+            if k == b":path":
+                path = v
+            elif k == b":method":
+                method = v
+            elif k == b"content-type":
+                ct = v
+            elif k == b"grpc-timeout":
+                timeout = v
+            elif k == b"grpc-encoding":
+                enc = v
+        name = path.decode("ascii", "replace") if path is not None else ""
+        ctx = ServicerContext(self, conn, stream, name, None)
         try:
-            self._pool.submit(self._run, ctx, method)
+            failure = stream.failure
+            if isinstance(failure, _wire.WireError):
+                self._pool.submit(ctx._finish, failure.code, failure.details)
+                return
+            if method != b"POST" or ct is None or not ct.startswith(_wire.CONTENT_TYPE):
+                self._pool.submit(ctx._finish, grpc.StatusCode.INTERNAL, f"not a gRPC request (content-type {ct!r})")
+                return
+            if timeout is not None:
+                try:
+                    ctx._deadline = time.monotonic() + _wire.decode_timeout(timeout)
+                except _wire.WireError as e:
+                    self._pool.submit(ctx._finish, e.code, e.details)
+                    return
+            if enc != b"identity":
+                encoding = enc.decode("ascii", "replace")
+                if encoding not in _wire.ENCODINGS:
+                    # the trailers carry grpc-accept-encoding: what we do support
+                    self._pool.submit(ctx._finish, grpc.StatusCode.UNIMPLEMENTED,
+                                      f"Compression algorithm {encoding!r} is not supported (accepted: "
+                                      f"{_wire.ACCEPT_ENCODING.decode()})")
+                    return
+            if self._max_concurrent is not None and self._active_rpcs >= self._max_concurrent:
+                self._pool.submit(ctx._finish, grpc.StatusCode.RESOURCE_EXHAUSTED, "Concurrent RPC limit exceeded!")
+                return
+            # the client is gone if it reset the call or the connection failed; a
+            # request it got wrong (WireError) ends the call with a status instead
+            stream.on_event = lambda s, c=ctx: (c._on_client_gone()
+                                                if s.reset_code is not None or (
+                                                    s.failure is not None
+                                                    and not isinstance(s.failure, _wire.WireError))
+                                                else None)
+            self._pool.submit(self._run, ctx, name)
         except RuntimeError:            # pool shut down
             conn.reset(stream)
 
@@ -492,7 +599,7 @@ class Server(HandlerRegistry, grpc.Server):
                 self._active_rpcs -= 1
 
     def _serve(self, ctx, method):
-        handler = self._lookup(method, ctx._metadata)
+        handler = self._lookup(method, ctx)
         if handler is None:
             ctx._finish(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {method}")
             return
@@ -517,9 +624,7 @@ class Server(HandlerRegistry, grpc.Server):
                     ctx._finish(grpc.StatusCode.INTERNAL, "the handler returned no response")
                     return
                 if ctx._code in (None, grpc.StatusCode.OK):
-                    with ctx._conn.cork():                  # headers, response, trailers: one write
-                        ctx._send_response(response, handler.response_serializer)
-                        ctx._finish(ctx._code or grpc.StatusCode.OK, ctx._details)
+                    ctx._respond_unary(response, handler.response_serializer)
                     return
             code = ctx._code or grpc.StatusCode.OK
             ctx._finish(code, ctx._details)
@@ -538,21 +643,18 @@ class Server(HandlerRegistry, grpc.Server):
 
     def _single_request(self, ctx, deserializer):
         s = ctx._stream
-        with s.cond:
-            ok = s.wait(lambda: s.ended or len(s.messages) > 1, ctx._deadline)
-            msgs = [s.take_message() for _ in range(len(s.messages))]
-            failure = s.failure
-        s.sent_acks()
-        if isinstance(failure, _wire.WireError):
-            ctx._code, ctx._details = failure.code, failure.details
-            raise _Abort()
-        if failure is not None or s.reset_code is not None or not ok:
-            ctx._on_client_gone()
-            raise _http2.ConnectionFailed("the client went away")
+        if s.ended and len(s.messages) == 1 and s.failure is None:
+            with ctx._conn.lock:                 # the common case: all of it came with the headers
+                msgs = [ctx._conn.take_message(s)]
+            ok = True
+        else:
+            msgs, ok = ctx._wait_request(lambda: s.ended or len(s.messages) > 1 or s.failure is not None
+                                         or s.reset_code is not None)
+        if not msgs or not s.ended:
+            ctx._request_failure(ok)
         if len(msgs) != 1:
-            ctx._code = grpc.StatusCode.UNIMPLEMENTED if not msgs else grpc.StatusCode.UNIMPLEMENTED
-            ctx._details = ("No request message for unary call" if not msgs
-                            else "Too many requests for unary call")
+            ctx._code = grpc.StatusCode.UNIMPLEMENTED
+            ctx._details = "No request message for unary call" if not msgs else "Too many requests for unary call"
             raise _Abort()
         return _deserialize(ctx, deserializer, msgs[0])
 
@@ -562,7 +664,4 @@ class Server(HandlerRegistry, grpc.Server):
             # grpcio servers), the handler from is_active() and its callbacks.
             if ctx.is_active():
                 ctx._finish(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-        t = threading.Timer(max(ctx._deadline - time.monotonic(), 0), expire)
-        t.daemon = True
-        t.start()
-        ctx.add_callback(t.cancel)
+        self._timers.schedule(ctx._deadline, expire)

@@ -71,6 +71,20 @@ def compress(data, encoding: str) -> bytes:
     return c.compress(data) + c.flush()
 
 
+def maybe_compress(payload, encoding: str | None):
+    """(payload, compressed): the message compressed with encoding when
+    that makes it smaller, else as it is."""
+    if encoding is None or encoding == "identity":
+        return payload, False
+    view = memoryview(payload)
+    if not view.nbytes:
+        return payload, False
+    packed = compress(view.cast("B") if view.ndim != 1 or view.format != "B" else view, encoding)
+    if len(packed) < view.nbytes:
+        return packed, True
+    return payload, False
+
+
 def decompress(data, encoding: str | None, limit: int) -> bytes:
     """Inflate one message, never past limit bytes (a compression bomb is
     refused after limit + 1 bytes, not inflated)."""
@@ -311,6 +325,19 @@ def trailers(code: grpc.StatusCode, details: str | None, metadata=()) -> list:
         out.append((b"grpc-message", encode_message_text(details if isinstance(details, str) else str(details))))
     out.extend(metadata_to_headers(metadata))
     return out
+
+
+def status_of_headers(headers) -> tuple[grpc.StatusCode, str]:
+    """The status in a list of header pairs (trailers)."""
+    raw = message = None
+    for k, v in headers:
+        if k == b"grpc-status":
+            raw = v
+        elif k == b"grpc-message":
+            message = v
+    if raw == b"0" and message is None:
+        return grpc.StatusCode.OK, ""
+    return status_of({b"grpc-status": raw, b"grpc-message": message or b""} if raw is not None else {})
 
 
 def status_of(headers: dict) -> tuple[grpc.StatusCode, str]:
