@@ -1,311 +1,313 @@
-"""One HTTP/2 connection for gRPC calls in an asyncio event loop (h2 does the
-HTTP/2 state machine, HPACK and flow-control bookkeeping; fabric.grpc._wire
-the gRPC framing). No threads: a reader task feeds h2 and wakes the calls'
-waiters; bytes h2 produces go to the transport in order, written by a writer
-task (a fabric stream's write is a coroutine) or at once (a socket's
-transport buffers).
+"""One HTTP/2 connection for gRPC calls in an asyncio event loop (the
+HTTP/2 state machine, HPACK and flow control are the C core's,
+fabric/grpc/_h2.pyx). No threads and no task per call for I/O.
 
-Transports: plain TCP through asyncio streams (stock gRPC peers), and
-fabric streams through their coroutines (fabric+<backend>:// targets)."""
+Transports:
+- plain TCP (stock gRPC peers, TLS included): an asyncio Protocol whose
+  data_received hands the bytes to the core at once (no reader task between
+  the socket and the calls); writes go to asyncio's transport, which sends
+  at once or copies what it could not send.
+- fabric streams (fabric+<backend>:// targets): a reader task awaits the
+  stream and reads the rest of large DATA frames straight into their
+  message (direct_target); writes are started at once (the engine keeps
+  their order), and only large ones that are still moving are waited for,
+  by drain() and flushed().
+
+A call waits on its stream's waiter (one future at a time), woken by
+whoever handed the core the bytes that changed the stream.
+"""
 from __future__ import annotations
 
 import asyncio
 import collections
 
-import h2.errors
-import h2.exceptions
-
 from fabric import errors
-from fabric.grpc import _h2_fast, _keepalive, _tls, _wire
-from fabric.grpc._http2_core import (LINGER, QUEUED_HIGH_WATER, SMALL_MESSAGE, ConnectionCore,
-                                     ConnectionFailed)
+from fabric.grpc import _h2, _keepalive, _tls, _wire
+from fabric.grpc._http2_core import LINGER, ConnectionCore, ConnectionFailed, ErrorCodes
 
-READ_SIZE = 1 << 20
-WRITE_HIGH_WATER = 4 << 20          # bytes queued for a fabric stream before senders wait
+WRITE_HIGH_WATER = 4 << 20          # bytes in flight on a transport before senders wait
 
 
-class SocketTransport:
-    """asyncio streams (plain TCP, stock gRPC peers)."""
+class Waiter:
+    """A call's wake-up in the loop: one future while someone waits."""
+    __slots__ = ("fut",)
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        self.reader, self.writer = reader, writer
-        self.eof_sent = False               # shutdown_write(): nothing more may be written
-        sock = writer.get_extra_info("socket")
+    def __init__(self):
+        self.fut = None
+
+    def wake(self):
+        fut = self.fut
+        if fut is not None:
+            self.fut = None
+            if not fut.done():
+                fut.set_result(None)
+
+    async def wait(self, loop, deadline) -> None:
+        fut = self.fut = loop.create_future()
+        handle = None if deadline is None else loop.call_at(deadline, self.wake)
+        try:
+            await fut
+        finally:
+            if handle is not None:
+                handle.cancel()
+            if self.fut is fut:
+                self.fut = None
+
+
+class SocketTransport(asyncio.Protocol):
+    """A TCP connection (TLS or not) as an asyncio Protocol: received bytes
+    go to the connection's core at once. on_made(self): (a server) the
+    connection is there (make its AioConnection)."""
+
+    def __init__(self, on_made=None):
+        self.on_made = on_made
+        self.conn = None
+        self.transport = None
+        self.peer_address = "?"
+        self.tls = None
+        self.eof_sent = False
+        self.paused = False
+        self.drained = None              # a future while writing is paused
+        self.early = []                  # bytes received before the connection was attached
+        self.lost = None
+
+    # -- asyncio.Protocol
+    def connection_made(self, transport):
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
         if sock is not None:
             import socket
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
                 pass
-        self.peer_address = _wire.format_address(writer.get_extra_info("peername") or ("?", 0))
-        self.tls = writer.get_extra_info("ssl_object")         # None on plain TCP
+        self.peer_address = _wire.format_address(transport.get_extra_info("peername") or ("?", 0))
+        self.tls = transport.get_extra_info("ssl_object")         # None on plain TCP
+        if self.on_made is not None:
+            self.on_made(self)
+
+    def check_tls(self):
         if self.tls is not None:
             _tls.check_alpn(self.tls)
+
+    def data_received(self, data):
+        conn = self.conn
+        if conn is None:
+            self.early.append(data)
+            return
+        conn._on_data(data)
+
+    def eof_received(self):
+        if self.conn is not None:
+            self.conn._closed_by_peer()
+        return False
+
+    def connection_lost(self, exc):
+        self.lost = exc or "closed"
+        if self.drained is not None and not self.drained.done():
+            self.drained.set_result(None)
+        if self.conn is not None:
+            self.conn._closed_by_peer(None if exc is None else f"{type(exc).__name__}: {exc}")
+
+    def pause_writing(self):
+        self.paused = True
+
+    def resume_writing(self):
+        self.paused = False
+        if self.drained is not None and not self.drained.done():
+            self.drained.set_result(None)
+
+    # -- what AioConnection uses
+    def attach(self, conn):
+        self.conn = conn
+        early, self.early = self.early, []
+        for data in early:
+            conn._on_data(data)
+        if self.lost is not None:
+            conn._closed_by_peer()
 
     def auth_context(self) -> dict:
         return _tls.auth_context(self.tls) if self.tls is not None else {}
 
-    async def read(self):
-        try:
-            return await self.reader.read(READ_SIZE)
-        except (ConnectionError, OSError):
-            return b""
-
-    def write(self, data) -> None:
-        if not self.writer.is_closing() and not self.eof_sent:
-            self.writer.write(data)
+    def write(self, items) -> None:
+        t = self.transport
+        if t is None or t.is_closing() or self.eof_sent:
+            return
+        if len(items) == 1:
+            t.write(items[0])
+        else:
+            t.writelines(items)          # asyncio sends now or copies what is left: never kept
 
     async def drain(self) -> None:
-        try:
-            await self.writer.drain()
-        except (ConnectionError, OSError) as e:
-            raise ConnectionFailed(f"write failed: {e}") from None
+        while self.paused and self.lost is None:
+            if self.drained is None or self.drained.done():
+                self.drained = asyncio.get_running_loop().create_future()
+            await self.drained
+        if self.lost is not None:
+            raise ConnectionFailed("write failed: the connection is lost")
+
+    async def flushed(self) -> None:
+        return
 
     def shutdown_write(self) -> bool:
         """FIN (reading goes on until the peer closes); False if impossible."""
+        t = self.transport
         try:
-            if self.writer.can_write_eof() and not self.writer.is_closing():
-                self.writer.write_eof()
+            if t is not None and t.can_write_eof() and not t.is_closing():
+                t.write_eof()
                 self.eof_sent = True
                 return True
         except (OSError, RuntimeError):
             pass
         return False
 
-    def write_own(self, view) -> None:
-        self.write(view)           # asyncio sends it now or copies what is left: never kept
-
-    async def flushed(self) -> None:
+    def start(self) -> None:
         return
 
     def close(self) -> None:
-        self.writer.close()
-
-
-class _OwnWrite:
-    __slots__ = ("view",)
-
-    def __init__(self, view):
-        self.view = view
-
-    def __len__(self):
-        return self.view.nbytes
-
-
-class _Marker:
-    """In the write queue: resolves once everything before it was written."""
-    __slots__ = ("done",)
-
-    def __init__(self, done):
-        self.done = done
-
-    def __len__(self):
-        return 0
+        if self.transport is not None:
+            self.transport.close()
 
 
 class FabricTransport:
-    """A fabric.stream.Stream through its coroutines; writes leave in order
-    from one writer task."""
+    """A fabric.stream.Stream: a reader task, and writes started at once."""
 
     def __init__(self, stream):
         self.stream = stream
         self.peer_address = stream.peer_address
-        self.queue = collections.deque()
-        self.queued = 0
-        self.wake = asyncio.Event()
-        self.room = asyncio.Event()
-        self.room.set()
+        self.conn = None
+        self.in_flight = collections.deque()     # (request, bytes) of writes still moving
+        self.in_flight_bytes = 0
         self.failed = None
-        self.writing = False
-        self.loop = asyncio.get_running_loop()
-        self.task = self.loop.create_task(self._writer())
+        self.read_error = None
+        self.task = None
 
-    async def read(self):
+    def attach(self, conn):
+        self.conn = conn
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._read_loop())
+
+    async def _read_loop(self):
+        conn = self.conn
+        stream = self.stream
         try:
-            msg = await self.stream.aread_message()
-        except errors.FabricError as e:
-            self.read_error = e
-            return b""
-        return b"" if msg is None else msg
+            while conn.dead is None:
+                try:
+                    data = await stream.aread_message()
+                except errors.FabricError as e:
+                    self.read_error = e
+                    data = None
+                if data is None:
+                    conn._closed_by_peer(None if self.read_error is None else
+                                         f"{type(self.read_error).__name__}: {self.read_error}")
+                    return
+                if not conn._on_data(data):
+                    return
+                while True:
+                    target = conn.h2.direct_target()
+                    if target is None:
+                        break
+                    try:
+                        n = await stream.aread_into(target)
+                    except errors.ConnectionClosed:
+                        n = 0
+                    except errors.FabricError as e:
+                        self.read_error = e
+                        n = 0
+                    if n == 0:
+                        conn._closed_by_peer()
+                        return
+                    conn._on_direct(n)
+        except asyncio.CancelledError:
+            conn._fail("connection closed locally")
+            raise
+        except Exception as e:               # noqa: BLE001 - any failure ends the connection
+            conn._fail(f"connection failed: {e!r}")
 
-    async def read_into(self, buf) -> int:
-        """Bytes read into buf (the fabric pulls a write that fits straight
-        in), 0 at end of stream."""
-        try:
-            return await self.stream.aread_into(buf)
-        except errors.ConnectionClosed:
-            return 0
-        except errors.FabricError as e:
-            self.read_error = e
-            return 0
-
-    def write(self, data) -> None:
+    def write(self, items) -> None:
         if self.failed is not None:
             return
-        self.queue.append(data)
-        self.queued += len(data)
-        if self.queued > WRITE_HIGH_WATER:
-            self.room.clear()
-        self.wake.set()
-
-    def write_own(self, view) -> None:
-        """A large payload as a write of its own: the peer's fabric gets it as
-        one message it can pull straight into place (no copy here)."""
-        self.write(_OwnWrite(view))
-
-    async def flushed(self) -> None:
-        """Until everything queued so far has been written (a caller's buffer
-        that may change afterwards is no longer referenced)."""
-        if self.queue or self.writing:
-            done = self.loop.create_future()
-            self.queue.append(_Marker(done))
-            self.wake.set()
-            await done
-        if self.failed is not None:
-            raise ConnectionFailed(self.failed)
-
-    async def drain(self) -> None:
-        while not self.room.is_set():
-            await self.room.wait()
-        if self.failed is not None:
-            raise ConnectionFailed(self.failed)
-
-    async def _writer(self):
-        while True:
-            await self.wake.wait()
-            self.wake.clear()
-            while self.queue:
-                batch = []
-                self.writing = True
-                while self.queue:
-                    item = self.queue.popleft()
-                    if item is None:                   # close() after the flush
-                        if batch:
-                            await self._write(batch)
-                        self.writing = False
-                        try:
-                            self.stream.close()
-                        except errors.FabricError:
-                            pass
-                        return
-                    if isinstance(item, _Marker):
-                        if batch and not await self._write(batch):
-                            return
-                        batch = []
-                        if not item.done.done():
-                            item.done.set_result(None)
-                        continue
-                    if isinstance(item, _OwnWrite):    # small writes before it, then it alone
-                        if batch and not await self._write(batch):
-                            return
-                        batch = []
-                        if not await self._write([item.view]):
-                            return
-                        continue
-                    batch.append(item)
-                if batch and not await self._write(batch):
-                    return
-                self.writing = False
-
-    async def _write(self, batch) -> bool:
-        n = sum(len(b) for b in batch)
+        stream = self.stream
         try:
-            await self.stream.awrite(batch if len(batch) > 1 else batch[0])
+            if len(items) == 1 or all(type(i) is bytes for i in items):
+                self._started(stream.write_nowait(items if len(items) > 1 else items[0]))
+                return
+            batch = []
+            for item in items:
+                if type(item) is memoryview:          # a large payload: a write of its own
+                    if batch:
+                        self._started(stream.write_nowait(batch))
+                        batch = []
+                    self._started(stream.write_nowait(item))
+                else:
+                    batch.append(item)
+            if batch:
+                self._started(stream.write_nowait(batch))
         except errors.FabricError as e:
             self.failed = f"write failed: {e}"
-            self.writing = False
-            for item in self.queue:
-                if isinstance(item, _Marker) and not item.done.done():
-                    item.done.set_result(None)
-            self.queue.clear()
-            self.room.set()
-            return False
-        self.queued -= n
-        if self.queued <= WRITE_HIGH_WATER:
-            self.room.set()
-        return True
+
+    def _started(self, req) -> None:
+        q = self.in_flight
+        while q and q[0][0].done():              # those done since: forget them
+            old, n = q.popleft()
+            self.in_flight_bytes -= n
+            if old.error is not None and self.failed is None:
+                self.failed = f"write failed: {old.error}"
+        if not req.done():
+            q.append((req, req.nbytes))
+            self.in_flight_bytes += req.nbytes
+        elif req.error is not None and self.failed is None:
+            self.failed = f"write failed: {req.error}"
+
+    async def _wait_oldest(self) -> None:
+        req, n = self.in_flight[0]
+        try:
+            await req.await_done()
+        except errors.FabricError as e:
+            if self.failed is None:
+                self.failed = f"write failed: {e}"
+        if self.in_flight and self.in_flight[0][0] is req:
+            self.in_flight.popleft()
+            self.in_flight_bytes -= n
+
+    async def drain(self) -> None:
+        while self.in_flight_bytes > WRITE_HIGH_WATER and self.failed is None:
+            await self._wait_oldest()
+        if self.failed is not None:
+            raise ConnectionFailed(self.failed)
+
+    async def flushed(self) -> None:
+        """Until every write started so far has moved (a caller's buffer that
+        may change afterwards is no longer referenced)."""
+        while self.in_flight and self.failed is None:
+            await self._wait_oldest()
+        if self.failed is not None:
+            raise ConnectionFailed(self.failed)
 
     def close(self) -> None:
-        if self.queue and self.failed is None and not self.task.done():
-            # what is queued (a GOAWAY, the last trailers) leaves first
-            self.queue.append(None)
-            self.wake.set()
+        if self.task is not None and not self.task.done() and self.task is not asyncio.current_task():
+            self.task.cancel()
+        if self.in_flight and self.failed is None:
+            # writes still moving (a GOAWAY, the last trailers) leave first:
+            # the endpoint drains them (for at most its close linger), then closes
+            closing = asyncio.get_running_loop().create_task(self._close_after_writes())
+            _closing.add(closing)
+            closing.add_done_callback(_closing.discard)
             return
-        self.task.cancel()
         try:
             self.stream.close()
         except errors.FabricError:
             pass
 
-
-class _Signal:
-    """Waiters of one stream (or of the connection's windows)."""
-    __slots__ = ("waiters",)
-
-    def __init__(self):
-        self.waiters = []
-
-    def notify(self):
-        waiters, self.waiters = self.waiters, []
-        for f in waiters:
-            if not f.done():
-                f.set_result(None)
-
-    async def wait(self, loop, deadline) -> None:
-        fut = loop.create_future()
-        self.waiters.append(fut)
-        timer = None if deadline is None else loop.call_at(deadline, _expire, fut)
+    async def _close_after_writes(self):
         try:
-            await fut
-        finally:
-            if timer is not None:
-                timer.cancel()
+            await self.stream.endpoint.aclose()
+        except errors.FabricError:
+            pass
 
 
-def _expire(fut):
-    if not fut.done():
-        fut.set_result(None)
-
-
-class AioStream:
-    """What one HTTP/2 stream of a call has received, and its send state."""
-
-    def __init__(self, conn: "AioConnection", stream_id: int, max_receive: int):
-        self.conn = conn
-        self.id = stream_id
-        self.headers = None
-        self.trailers = None
-        self.messages = collections.deque()
-        self.queued_bytes = 0
-        self.unacked = 0
-        self.ended = False
-        self.reset_code = None
-        self.failure = None
-        self.peer_done = False
-        self.local_closed = False
-        self.assembler = _wire.MessageAssembler(max_receive)
-        self.signal = _Signal()
-        self.on_event = None            # callback(AioStream) on any change (server: the client went away)
-
-    def over(self) -> bool:
-        return self.failure is not None or self.reset_code is not None
-
-    async def wait(self, predicate, deadline) -> bool:
-        """Until predicate() or the stream failed or was reset; False on deadline."""
-        loop = self.conn.loop
-        while not (predicate() or self.over()):
-            if deadline is not None and loop.time() >= deadline:
-                return False
-            await self.signal.wait(loop, deadline)
-        return True
-
-    def take_message(self):
-        msg = self.messages.popleft()
-        self.queued_bytes -= len(msg)
-        if self.unacked and self.queued_bytes <= QUEUED_HIGH_WATER:
-            self.conn._ack(self)
-            self.conn._flush()
-        return msg
+_closing = set()            # close tasks in progress (the loop keeps only weak references to tasks)
 
 
 class AioConnection(ConnectionCore):
@@ -315,10 +317,12 @@ class AioConnection(ConnectionCore):
         self.loop = asyncio.get_running_loop()
         self.transport = transport
         self._tick_handle = None
-        self.window_signal = _Signal()
+        self.window_waiters = []
+        self._failed = False
         self._init_core(client_side, max_receive, on_request, on_close, trusted_peer, keepalive)
         self._start_h2()
-        self.reader = self.loop.create_task(self._read_loop())
+        transport.attach(self)
+        transport.start()
         if self.keepalive is not None and keepalive.needs_timer:
             self._schedule_tick(self.loop.time() + 0.05)
 
@@ -342,7 +346,6 @@ class AioConnection(ConnectionCore):
             else:
                 self.loop.call_later(LINGER, self._fail, reason)
             return
-        self._flush()
         if next_at is not None:
             self._schedule_tick(next_at)
 
@@ -362,303 +365,175 @@ class AioConnection(ConnectionCore):
         return self.loop.time()
 
     def _write_h2(self) -> None:
-        self._flush()
+        out = self.h2.take_output()
+        if out is not None:
+            self.transport.write(out)
 
-    def _new_call(self, stream_id: int) -> "AioStream":
-        return AioStream(self, stream_id, self.max_receive)
-
-    def _wake(self, call) -> None:
-        call.signal.notify()
+    def _wake(self, stream) -> None:
+        w = stream.owner
+        if w is not None:
+            w.wake()
 
     def _wake_window_waiters(self) -> None:
-        self.window_signal.notify()
+        waiters, self.window_waiters = self.window_waiters, []
+        for w in waiters:
+            w.wake()
 
     def _after_read(self, later, fn) -> None:
         self.loop.call_soon(fn)
 
-    # ------------------------------------------------------------ writing
-    def _flush(self) -> None:
-        data = self.h2.data_to_send()
-        if data:
-            self.transport.write(data)
-
-    async def open_call(self, headers, end_stream: bool = False, deadline=None) -> AioStream:
-        while True:
+    # ------------------------------------------------------------ waiting
+    async def await_(self, waiter: Waiter, ready, deadline, window: bool = False) -> bool:
+        """Until ready(); False on deadline (loop time)."""
+        while not ready():
             if self.dead is not None:
-                raise ConnectionFailed(self.dead)
-            if self.goaway_last_stream is not None or self._h2_closed():
-                raise ConnectionFailed("the server is going away (GOAWAY)")
-            if self.h2.open_outbound_streams < self.h2.remote_settings.max_concurrent_streams:
-                break
+                return ready()
             if deadline is not None and self.loop.time() >= deadline:
+                return False
+            if window:
+                self.window_waiters.append(waiter)
+            await waiter.wait(self.loop, deadline)
+        return True
+
+    # ------------------------------------------------------------ calls
+    async def open_call(self, waiter: Waiter, headers, message=None, compressed: bool = False, deadline=None):
+        """(client) A new stream with its request headers and, if given, its
+        one request message and end of stream, written at once."""
+        while True:
+            self._check_alive()
+            if self.goaway_last_stream is not None:
+                raise ConnectionFailed("the server is going away (GOAWAY)")
+            if self.h2.can_open:
+                break
+            if not await self.await_(waiter, lambda: self.dead is not None or self.h2.can_open or
+                                     self.goaway_last_stream is not None, deadline, window=True):
                 raise TimeoutError("deadline exceeded waiting for a stream")
-            await self.window_signal.wait(self.loop, deadline)
-        sid = self.h2.get_next_available_stream_id()
-        call = AioStream(self, sid, self.max_receive)
-        self.calls[sid] = call
-        self.h2.send_headers(sid, headers, end_stream=end_stream)
-        if end_stream:
-            call.local_closed = True
+        s = self.h2.open_stream(headers, end_stream=False)
+        s.owner = waiter
         self._sent_frames()
-        self._flush()
-        return call
+        done = True
+        if message is not None:
+            done = self.h2.send_message(s, message, compressed, True)
+        self._write_h2()
+        if not done:
+            await self._finish_message(s, waiter, deadline)
+        elif message is not None and len(message) >= _h2.ZERO_COPY_MIN and type(message) is not bytes:
+            await self.transport.flushed()       # the caller may change its buffer once we return
+        return s
 
-    def send_headers(self, call: AioStream, headers, end_stream: bool = False) -> None:
-        self._check_call(call)
-        self.h2.send_headers(call.id, headers, end_stream=end_stream)
-        if end_stream:
-            call.local_closed = True
+    def send_headers(self, stream, headers, end_stream: bool = False, write: bool = True) -> None:
+        """write=False: the frames leave with the next write (a message that follows)."""
+        self._check_call(stream)
+        self.h2.send_headers(stream, headers, end_stream)
         self._sent_frames()
-        self._flush()
+        if write:
+            self._write_h2()
 
-    async def send_message(self, call: AioStream, payload, end_stream: bool = False, deadline=None,
-                           encoding: str | None = None) -> None:
-        """A length-prefixed gRPC message, cut to the peer's windows."""
-        view = memoryview(payload).cast("B")
-        compressed = False
+    async def send_message(self, stream, waiter: Waiter, payload, end_stream: bool = False, deadline=None,
+                           encoding: str | None = None, trailers=None) -> None:
+        """A length-prefixed gRPC message, cut to the peer's windows; with
+        trailers (a server's unary response), they follow in the same write."""
+        payload, compressed = _wire.maybe_compress(payload, encoding)
+        self._check_call(stream)
         self._sent_frames()
-        if encoding is not None and encoding != "identity" and view.nbytes:
-            packed = _wire.compress(view, encoding)
-            if len(packed) < view.nbytes:
-                view, compressed = memoryview(packed), True
-        if view.nbytes >= _h2_fast.FAST_DATA_MIN and self.fast_data:
-            await self._send_large(call, view, end_stream, deadline, compressed,
-                                   detached=type(payload) is bytes or compressed)
-            return
-        head = _wire.prefix(view.nbytes, compressed)
-        if view.nbytes <= SMALL_MESSAGE:
-            pieces = [memoryview(head + view.tobytes())]        # one DATA frame
-        else:
-            pieces = [memoryview(head), view]                   # no copy of the payload: frames slice it
-        for i, data in enumerate(pieces):
-            last = i == len(pieces) - 1
-            while True:
-                self._check_call(call)
-                window = min(self.h2.local_flow_control_window(call.id), self.h2.max_outbound_frame_size)
-                if window <= 0:
-                    if deadline is not None and self.loop.time() >= deadline:
-                        raise TimeoutError("deadline exceeded while waiting for flow control")
-                    await self.window_signal.wait(self.loop, deadline)
-                    continue
-                n = min(window, data.nbytes)
-                fin = end_stream and last and n == data.nbytes
-                self.h2.send_data(call.id, data[:n], end_stream=fin)
-                if fin:
-                    call.local_closed = True
-                self._flush()
-                data = data[n:]
-                if not data.nbytes:
-                    break
+        done = self.h2.send_message(stream, payload, compressed, end_stream)
+        if done and trailers is not None:
+            self.h2.send_headers(stream, trailers, True)
+            trailers = None
+        self._write_h2()
+        if not done:
+            await self._finish_message(stream, waiter, deadline)
+        if trailers is not None:
+            self.send_headers(stream, trailers, end_stream=True)
+        if len(payload) >= _h2.ZERO_COPY_MIN:
+            if type(payload) is bytes:
                 await self.transport.drain()
-        if view.nbytes > (1 << 20):
+            else:
+                await self.transport.flushed()   # the caller may change its buffer once we return
+
+    async def _finish_message(self, stream, waiter: Waiter, deadline) -> None:
+        """The rest of a message the windows did not take at once."""
+        while True:
+            ok = await self.await_(waiter, lambda: self.dead is not None or stream.reset_code is not None or
+                                   stream.peer_done or self.h2.stream_send_window(stream) > 0, deadline,
+                                   window=True)
+            if not ok:
+                raise TimeoutError("deadline exceeded while waiting for flow control")
+            self._check_alive()
+            if stream.peer_done or stream.reset_code is not None:
+                raise ConnectionFailed(f"stream {stream.id} ended while sending")
+            done = self.h2.pump(stream)
+            self._write_h2()
             await self.transport.drain()
+            if done:
+                return
 
-    async def _send_large(self, call: AioStream, view, end_stream: bool, deadline, compressed: bool,
-                          detached: bool) -> None:
-        """DATA frames written by us (see _http2.Connection._send_large): each
-        frame's header (the message prefix in the first) and its payload go as
-        separate writes, straight from the caller's buffer, and h2's state and
-        windows are charged as its send_data would."""
-        prefix = _wire.prefix(view.nbytes, compressed)
-        first = True
-        while view.nbytes or first:
-            self._check_call(call)
-            room = min(self.h2.local_flow_control_window(call.id), self.h2.max_outbound_frame_size)
-            head = len(prefix) if first else 0
-            if room <= head:
-                if deadline is not None and self.loop.time() >= deadline:
-                    raise TimeoutError("deadline exceeded while waiting for flow control")
-                await self.window_signal.wait(self.loop, deadline)
-                continue
-            n = min(room - head, view.nbytes)
-            _h2_fast.charge_data_sent(self.h2, call.id, head + n)
-            self._flush()                              # what h2 had queued goes first
-            header = _h2_fast.frame_header(head + n, _h2_fast.DATA, 0, call.id)
-            self.transport.write(header + (prefix if first else b""))
-            if n:
-                self.transport.write_own(view[:n])
-            self.counters["fast_data_frames_sent"] += 1
-            view = view[n:]
-            first = False
-            await self.transport.drain()
-        if not detached:
-            await self.transport.flushed()             # the caller may change its buffer once we return
-        if end_stream:
-            self.end_stream(call)
+    def end_stream(self, stream) -> None:
+        self._check_call(stream)
+        self.h2.end_stream(stream)
+        self._write_h2()
 
-    def end_stream(self, call: AioStream) -> None:
-        self._check_call(call)
-        self.h2.end_stream(call.id)
-        call.local_closed = True
-        self._flush()
-
-    def reset(self, call: AioStream, code=h2.errors.ErrorCodes.CANCEL) -> None:
-        if call.reset_code is None:
-            call.reset_code = code
+    def reset(self, stream, code=ErrorCodes.CANCEL) -> None:
         if self.dead is None:
-            try:
-                self.h2.reset_stream(call.id, error_code=code)
-                self._flush()
-            except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError, KeyError):
-                pass
-        self.calls.pop(call.id, None)
-        call.signal.notify()
-        self.window_signal.notify()
+            self.h2.reset_stream(stream, int(code))
+            self._write_h2()
+        elif stream.reset_code is None:
+            stream.reset_code = int(code)
+        self._wake(stream)
+        self._wake_window_waiters()
 
-    def forget(self, call: AioStream) -> None:
-        self.calls.pop(call.id, None)
-        if self.client_side and self.goaway_last_stream is not None and not self.calls and self.dead is None:
+    def take_message(self, stream):
+        """Pop one message; its window goes back to the peer."""
+        msg = stream.messages.popleft()
+        self.h2.consume(stream, len(msg))
+        if self.h2.has_output:
+            self._write_h2()
+        return msg
+
+    def forget(self, stream) -> None:
+        stream.owner = None
+        if self.client_side and self.goaway_last_stream is not None and not self.h2.streams and self.dead is None:
             self._fail("the server went away (GOAWAY) and no call was left")
 
     # ------------------------------------------------------------ reading
-    def _closed_by_peer(self):
-        why = getattr(self.transport, "read_error", None)
-        self._fail("the peer closed the connection" if why is None
-                   else f"the connection failed: {type(why).__name__}: {why}")
+    def _closed_by_peer(self, why=None):
+        self._fail("the peer closed the connection" if why is None else f"the connection failed: {why}")
 
-    def _feed(self, data) -> bool:
-        """Bytes to h2 and its events handled; False once the connection is dead."""
-        try:
-            events = self.h2.receive_data(data)
-        except h2.exceptions.ProtocolError as e:
-            self._flush()
-            self._fail(f"HTTP/2 protocol error from the peer: {e}")
+    def _on_data(self, data) -> bool:
+        """Bytes from the transport to the core; False once the connection is dead."""
+        if self.dead is not None:
             return False
-        for ev in events:
-            self._handle(ev, None)
-        self._flush()
-        return self.dead is None
-
-    async def _read_loop(self):
         try:
-            if self.fast_data and hasattr(self.transport, "read_into"):
-                await self._read_framed()
-            else:
-                while self.dead is None:
-                    data = await self.transport.read()
-                    if not data:
-                        self._closed_by_peer()
-                        return
-                    if not self._feed(data):
-                        break
+            touched = self.h2.receive(data)
+        except _h2.H2Error as e:
+            self.dead = e.text
+            self._write_h2()
+            self._fail(e.text)
+            return False
+        if touched or self.h2.events:
+            self._after_receive(touched, None)
+        self._write_h2()
+        if self.dead is not None:
             self._fail(self.dead)
-        except asyncio.CancelledError:
-            self._fail("connection closed locally")
-            raise
-        except Exception as e:               # noqa: BLE001 - any failure ends the connection
-            self._fail(f"connection failed: {e!r}")
+            return False
+        return True
 
-    async def _read_framed(self):
-        """Frames cut here (see _http2._FramedReader): a large DATA frame of an
-        open call is received by _fast_data straight into the message's
-        buffer; everything else goes to h2 in order."""
-        buf = memoryview(b"")
-        preface = 0 if self.client_side else 24      # a client's connection preface precedes its frames
-        while self.dead is None:
-            more = await self.transport.read()
-            if not more:
-                self._closed_by_peer()
-                return
-            more = memoryview(more).cast("B")
-            buf = memoryview(bytes(buf) + bytes(more)) if len(buf) else more
-            if preface:
-                if len(buf) < preface:
-                    continue
-                if not self._feed(bytes(buf[:preface])):
-                    return
-                buf, preface = buf[preface:], 0
-            to_h2 = []
-            while len(buf) >= 9:
-                length, ftype, flags, sid = _h2_fast.parse_frame_header(buf)
-                if _h2_fast.is_fast_data(self.h2, length, ftype, flags):
-                    if to_h2:                            # the HEADERS that open this call may be among them
-                        if not self._feed(b"".join(to_h2)):
-                            return
-                        to_h2 = []
-                    call = self.calls.get(sid)
-                    if call is not None and call.failure is None:
-                        buf = await self._fast_data(call, length, buf[9:])
-                        if buf is None:
-                            return
-                        continue
-                if len(buf) < 9 + length:
-                    break                                # the rest of this frame comes with the next read
-                to_h2.append(buf[:9 + length])
-                buf = buf[9 + length:]
-            if to_h2 and not self._feed(b"".join(to_h2)):
-                return
-
-    async def _fast_data(self, call: AioStream, length: int, rest):
-        """One large DATA frame of call: h2 charged as it would be, the payload
-        into the call's assembler (pulled by the fabric straight into the
-        message buffer where it can). What is left of the current read, or
-        None once the connection is dead."""
-        try:
-            _h2_fast.charge_data_received(self.h2, call.id, length)
-        except (h2.exceptions.ProtocolError, h2.exceptions.StreamClosedError) as e:
-            self._flush()
-            self._fail(f"HTTP/2 protocol error from the peer: {e!r}")
-            return None
-        self.counters["fast_data_frames_received"] += 1
-        asm = call.assembler
-        left = length
-        failure = None
-        try:
-            while left:
-                if len(rest):
-                    take = min(left, len(rest))
-                    self._deliver(call, asm.feed(rest[:take]))
-                    rest, left = rest[take:], left - take
-                    continue
-                target = asm.direct_target(left)
-                if target is not None and len(target):
-                    n = await self.transport.read_into(target)
-                    if n == 0:
-                        self._closed_by_peer()
-                        return None
-                    asm.advance(n)
-                    left -= n
-                    self._deliver(call, asm.take_done())
-                    continue
-                more = await self.transport.read()
-                if not more:
-                    self._closed_by_peer()
-                    return None
-                rest = memoryview(more).cast("B")
-        except _wire.WireError as e:
-            failure = e
-        self._fast_data_taken(call, length, failure, None)
-        if failure is not None:
-            if self.client_side:
-                self.reset(call, h2.errors.ErrorCodes.CANCEL)
-            while left:                                  # the rest of this frame's payload: dropped
-                if len(rest):
-                    take = min(left, len(rest))
-                    rest, left = rest[take:], left - take
-                    continue
-                more = await self.transport.read()
-                if not more:
-                    self._closed_by_peer()
-                    return None
-                rest = memoryview(more).cast("B")
-        self._flush()
-        return rest
-
-    def _deliver(self, call: AioStream, messages) -> None:
-        for msg in messages:
-            call.messages.append(msg)
-            call.queued_bytes += len(msg)
+    def _on_direct(self, n: int) -> None:
+        touched = self.h2.direct_advance(n)
+        if touched or self.h2.events:
+            self._after_receive(touched, None)
+        self._write_h2()
 
     def _fail(self, reason: str):
-        first = self.dead is None or not getattr(self, "_failed", False)
+        first = not self._failed
         self._failed = True
         if self.dead is None:
             self.dead = reason
-        for call in list(self.calls.values()):
-            if call.failure is None:
-                call.failure = ConnectionFailed(self.dead)
-            self._notify(call)
-        self.window_signal.notify()
+        for s in list(self.h2.streams.values()):
+            if s.failure is None:
+                s.failure = ConnectionFailed(self.dead)
+            self._notify(s)
+        self._wake_window_waiters()
         if first:
             if self._tick_handle is not None:
                 self._tick_handle.cancel()
@@ -672,9 +547,7 @@ class AioConnection(ConnectionCore):
         if graceful and self.dead is None:
             self._close_h2()
         self._fail("connection closed locally")
-        if not self.reader.done():
-            self.reader.cancel()
 
     @property
     def alive(self) -> bool:
-        return self.dead is None and self.goaway_last_stream is None
+        return self.dead is None and self.goaway_last_stream is None and not self.closing

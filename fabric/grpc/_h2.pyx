@@ -1008,6 +1008,8 @@ cdef class Connection:
         cdef Py_ssize_t k, want
         cdef long long length
         while n > 0:
+            if s.failure is not None:
+                return 0                                 # the call has failed: the rest is discarded
             if s.need < 0:
                 k = 5 - s.prefix_fill
                 if k > n:

@@ -10,7 +10,6 @@ from urllib.parse import quote, unquote
 
 import grpc
 
-from fabric._buffers import new_bytes
 
 PREFIX = struct.Struct(">BI")          # compressed flag, message length
 PREFIX_SIZE = PREFIX.size
@@ -106,122 +105,6 @@ def decompress(data, encoding: str | None, limit: int) -> bytes:
     if not d.eof:
         raise WireError(grpc.StatusCode.INTERNAL, f"truncated {encoding} message")
     return out
-
-
-class MessageAssembler:
-    """Cuts DATA payloads into gRPC messages; refuses a message above
-    max_length before buffering it (the sender learns RESOURCE_EXHAUSTED).
-    A large message is assembled in one buffer of its final size, which a
-    reader can also fill directly (direct_target / advance: the fabric pulls
-    the payload straight into it)."""
-
-    DIRECT_MIN = 64 << 10
-
-    def __init__(self, max_length: int):
-        self.max_length = max_length
-        self.encoding = None             # the peer's grpc-encoding, once its headers are in
-        self._flag = 0                   # the message being assembled is compressed
-        self._buf = bytearray()          # prefix bytes, or a small message's bytes
-        self._need = None                # length of the message being assembled
-        self._dest = None                # large message: its final bytes object ...
-        self._dest_view = None           # ... and a writable view of it while it fills
-        self._fill = 0
-        self._done = []
-
-    @property
-    def partial(self) -> bool:
-        return bool(self._buf) or self._need is not None
-
-    def feed(self, data) -> list:
-        """Complete messages (bytes, bytearray or memoryview) after adding data."""
-        view = memoryview(data).cast("B")
-        while view.nbytes:
-            if self._need is None:
-                if not self._buf and view.nbytes >= PREFIX_SIZE:
-                    flag, length = PREFIX.unpack_from(view)
-                    view = view[PREFIX_SIZE:]
-                else:
-                    take = min(PREFIX_SIZE - len(self._buf), view.nbytes)
-                    self._buf += view[:take]
-                    view = view[take:]
-                    if len(self._buf) < PREFIX_SIZE:
-                        break
-                    flag, length = PREFIX.unpack_from(self._buf)
-                    self._buf.clear()
-                self._start(flag, length)
-                continue
-            if self._dest is not None:
-                take = min(self._need - self._fill, view.nbytes)
-                self._dest_view[self._fill:self._fill + take] = view[:take]
-                view = view[take:]
-                self.advance(take)
-                continue
-            if not self._buf and view.nbytes >= self._need:
-                # the whole message inside this payload: no copy
-                self._emit(view[:self._need])
-                view = view[self._need:]
-                self._need = None
-                continue
-            take = min(self._need - len(self._buf), view.nbytes)
-            self._buf += view[:take]
-            view = view[take:]
-            if len(self._buf) == self._need:
-                self._emit(bytes(self._buf))
-                self._buf = bytearray()
-                self._need = None
-        return self.take_done()
-
-    def _emit(self, msg):
-        if self._flag:
-            msg = decompress(msg, self.encoding, self.max_length)
-        self._done.append(msg)
-
-    def _start(self, flag: int, length: int):
-        self._check(flag, length)
-        self._flag = flag
-        self._need = length
-        if length == 0:
-            self._need = None
-            self._emit(b"")
-        elif length >= self.DIRECT_MIN:
-            self._dest, self._dest_view = new_bytes(length)
-            self._fill = 0
-
-    def direct_target(self, limit: int):
-        """Where the next payload bytes of a large message go (a writable
-        view of at most limit bytes), or None if not inside one."""
-        if self._dest is None:
-            return None
-        return self._dest_view[self._fill:self._fill + min(limit, self._need - self._fill)]
-
-    def advance(self, n: int):
-        """n bytes were written into direct_target()."""
-        self._fill += n
-        if self._fill == self._need:
-            dest = self._dest                      # bytes, complete: no more writes through the view
-            self._dest = self._dest_view = None
-            self._need = None
-            self._emit(dest)
-
-    def take_done(self) -> list:
-        done, self._done = self._done, []
-        return done
-
-    def _check(self, flag: int, length: int):
-        if flag not in (0, 1):
-            raise WireError(grpc.StatusCode.INTERNAL, f"bad message flag {flag}")
-        if flag == 1:
-            if self.encoding in (None, "identity"):
-                raise WireError(grpc.StatusCode.INTERNAL,
-                                "compressed message received without a grpc-encoding")
-            # the limit is on the inflated size (decompress); deflate's output
-            # is at most a little larger than its input
-            if self.max_length >= 0 and length > self.max_length + (self.max_length >> 10) + 1024:
-                raise WireError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"Received message larger than max ({length} vs. {self.max_length})")
-        elif self.max_length >= 0 and length > self.max_length:
-            raise WireError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"Received message larger than max ({length} vs. {self.max_length})")
 
 
 # ---------------------------------------------------------------- timeouts
