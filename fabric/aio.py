@@ -86,6 +86,7 @@ class _Driver:
             worker.aio_waiters = _Waiters()
         self.shared = worker.aio_waiters
         self.nwaiters = 0
+        self.watchers: dict[int, object] = {}      # key -> callback, run when that object moves
         self.fd = -1
         self.notify_fd = -1
         self.watching = False
@@ -102,11 +103,19 @@ class _Driver:
             keys = []
         if self.worker.closed:
             _resolve(self.shared.take_all(), self.loop)
+            for fn in list(self.watchers.values()):
+                fn()
+            self.watchers.clear()
             self._watch(False)
             return
         futures = self.shared.take(keys)
         if futures:
             _resolve(futures, self.loop)
+        if self.watchers:
+            for key in keys:
+                fn = self.watchers.get(key)
+                if fn is not None:
+                    fn()
 
     def _on_notified(self):
         self.worker.drain_notify()
@@ -176,8 +185,32 @@ class _Driver:
                 loop.call_soon(self._maybe_unwatch)
 
     def _maybe_unwatch(self):
-        if not self.nwaiters:
+        if not self.nwaiters and not self.watchers:
             self._watch(False)
+
+    def watch(self, obj, fn):
+        """Call fn() (in this loop) each time obj moves, until unwatch(obj):
+        an event-driven reader instead of a coroutine waiting in turns. fn
+        drains what it can (its receives do not block) and calls rearm()."""
+        if self.worker.closed:
+            raise ConnectionClosed("the Fabric is closed")
+        self.watchers[obj.key] = fn
+        self._watch(True)
+
+    def unwatch(self, obj):
+        if self.watchers.pop(obj.key, None) is not None and not self.watchers and not self.nwaiters:
+            loop = self.loop
+            if loop is not None and not loop.is_closed():
+                loop.call_soon(self._maybe_unwatch)
+
+    def rearm(self):
+        """After a watcher drained without blocking: the worker's descriptor
+        is armed for the next event, or (progress is possible now) the
+        watchers run again soon."""
+        if not self.worker.closed and not self.worker.arm():
+            loop = self.loop
+            if loop is not None:
+                loop.call_soon(self._run)
 
 
 def _resolve_one(fut):

@@ -170,80 +170,100 @@ class SocketTransport(asyncio.Protocol):
 
 
 class FabricTransport:
-    """A fabric.stream.Stream: a reader task, and writes started at once."""
+    """A fabric.stream.Stream's endpoint, event-driven: fabric.aio calls
+    _on_moved() in the loop whenever the endpoint moved, and it hands every
+    message that is there to the core (no reader task in between); writes
+    are started at once."""
 
     def __init__(self, stream):
         self.stream = stream
+        self.endpoint = stream.endpoint
         self.peer_address = stream.peer_address
         self.conn = None
         self.in_flight = collections.deque()     # (request, bytes) of writes still moving
         self.in_flight_bytes = 0
         self.failed = None
         self.read_error = None
-        self.task = None
+        self.driver = None
+        self.direct = None                       # the buffer a read straight into a message fills
+        self.draining = False
 
     def attach(self, conn):
         self.conn = conn
 
     def start(self) -> None:
-        self.task = asyncio.get_running_loop().create_task(self._read_loop())
+        from fabric import aio
+        self.driver = aio.driver(self.endpoint.worker)
+        self.driver.watch(self.endpoint, self._on_moved)
+        self._on_moved()
 
-    async def _read_loop(self):
+    def _on_moved(self):
+        """Everything that arrived, to the core; never blocks."""
+        if self.draining:
+            return
         conn = self.conn
-        stream = self.stream
+        ep = self.endpoint
+        self.draining = True
         try:
             while conn.dead is None:
-                try:
-                    data = await stream.aread_message()
-                except errors.FabricError as e:
-                    self.read_error = e
-                    data = None
-                if data is None:
-                    conn._closed_by_peer(None if self.read_error is None else
-                                         f"{type(self.read_error).__name__}: {self.read_error}")
-                    return
-                if not conn._on_data(data):
-                    return
-                while True:
-                    target = conn.h2.direct_target()
-                    if target is None:
-                        break
+                if self.direct is not None:
                     try:
-                        n = await stream.aread_into(target)
-                    except errors.ConnectionClosed:
-                        n = 0
-                    except errors.FabricError as e:
-                        self.read_error = e
-                        n = 0
+                        n = ep._try_recv(self.direct)
+                    except errors.MessageTooLarge:
+                        self.direct = None       # the message is kept: read it as bytes below
+                        continue
+                    if n is None:
+                        break
+                    self.direct = None
                     if n == 0:
                         conn._closed_by_peer()
                         return
                     conn._on_direct(n)
-        except asyncio.CancelledError:
-            conn._fail("connection closed locally")
-            raise
+                else:
+                    msg = ep._try_recv(None)
+                    if msg is None:
+                        break
+                    if len(msg) == 0:
+                        conn._closed_by_peer()
+                        return
+                    if not conn._on_data(msg):
+                        return
+                if conn.dead is None:
+                    self.direct = conn.h2.direct_target()
+        except errors.ConnectionClosed:
+            conn._closed_by_peer()
+            return
+        except errors.FabricError as e:
+            self.read_error = e
+            conn._closed_by_peer(f"{type(e).__name__}: {e}")
+            return
         except Exception as e:               # noqa: BLE001 - any failure ends the connection
             conn._fail(f"connection failed: {e!r}")
+            return
+        finally:
+            self.draining = False
+        if self.driver is not None and conn.dead is None:
+            self.driver.rearm()
 
     def write(self, items) -> None:
         if self.failed is not None:
             return
-        stream = self.stream
+        isend = self.endpoint.isend
         try:
             if len(items) == 1 or all(type(i) is bytes for i in items):
-                self._started(stream.write_nowait(items if len(items) > 1 else items[0]))
+                self._started(isend(items if len(items) > 1 else items[0]))
                 return
             batch = []
             for item in items:
                 if type(item) is memoryview:          # a large payload: a write of its own
                     if batch:
-                        self._started(stream.write_nowait(batch))
+                        self._started(isend(batch))
                         batch = []
-                    self._started(stream.write_nowait(item))
+                    self._started(isend(item))
                 else:
                     batch.append(item)
             if batch:
-                self._started(stream.write_nowait(batch))
+                self._started(isend(batch))
         except errors.FabricError as e:
             self.failed = f"write failed: {e}"
 
@@ -286,8 +306,11 @@ class FabricTransport:
             raise ConnectionFailed(self.failed)
 
     def close(self) -> None:
-        if self.task is not None and not self.task.done() and self.task is not asyncio.current_task():
-            self.task.cancel()
+        if self.driver is not None:
+            self.driver.unwatch(self.endpoint)
+            self.driver = None
+            if not self.endpoint.closed:
+                self.endpoint._cancel_recv()
         if self.in_flight and self.failed is None:
             # writes still moving (a GOAWAY, the last trailers) leave first:
             # the endpoint drains them (for at most its close linger), then closes
@@ -420,6 +443,31 @@ class AioConnection(ConnectionCore):
         elif message is not None and len(message) >= _h2.ZERO_COPY_MIN and type(message) is not bytes:
             await self.transport.flushed()       # the caller may change its buffer once we return
         return s
+
+    def start_call(self, owner, headers, message, compressed: bool):
+        """(client) Open a stream and send its request at once, without
+        waiting: (stream, True) when all of it is written, (stream, False)
+        when the windows took only part of the message (finish_message()
+        sends the rest), (None, False) when no stream may be opened now."""
+        self._check_alive()
+        if self.goaway_last_stream is not None:
+            raise ConnectionFailed("the server is going away (GOAWAY)")
+        if not self.h2.can_open:
+            return None, False
+        s = self.h2.open_stream(headers, end_stream=False)
+        s.owner = owner
+        self._sent_frames()
+        done = self.h2.send_message(s, message, compressed, True)
+        self._write_h2()
+        return s, done
+
+    async def finish_message(self, stream, waiter: Waiter, payload, deadline) -> None:
+        """The rest of a message start_call() began; once this returns, a
+        caller's buffer is no longer referenced."""
+        if stream.sending:
+            await self._finish_message(stream, waiter, deadline)
+        if len(payload) >= _h2.ZERO_COPY_MIN and type(payload) is not bytes:
+            await self.transport.flushed()
 
     def send_headers(self, stream, headers, end_stream: bool = False, write: bool = True) -> None:
         """write=False: the frames leave with the next write (a message that follows)."""

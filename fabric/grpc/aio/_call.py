@@ -27,7 +27,7 @@ class _Call:
     _plugins = ()                 # metadata plugins of the call's credentials
 
     def __init__(self, channel, method, path, serializer, deserializer, timeout, metadata, wait_for_ready,
-                 compression, unary_response):
+                 compression, plugins, unary_response):
         self._channel = channel
         self._method = method
         self._path = path
@@ -51,6 +51,9 @@ class _Call:
         self._status = None            # a future, made when someone awaits the status before it is known
         self._done_callbacks = None
         self._timer = None if self._deadline is None else self._loop.call_at(self._deadline, self._expire)
+        if plugins:
+            self._plugins = plugins
+        channel._calls.add(self)
 
     # -- status
     def _finish(self, code, details, trailing=None) -> bool:
@@ -451,22 +454,113 @@ class _RequestWriter:
 
 
 class UnaryUnaryCall(_Call, grpc.aio.UnaryUnaryCall):
+    """A unary call needs no task of its own: its request is written when
+    the call is made, the connection's reader settles it when the response
+    and trailers are in (the stream's owner is the call: wake() below), and
+    awaiting it waits for that. A task runs only when the call cannot start
+    at once (no connection yet, call credentials, windows full)."""
+
     def __init__(self, request, *args):
         super().__init__(*args, unary_response=True)
-        self._task = self._loop.create_task(self._run(request))
+        self._result = None
+        self._awaiters = None
+        self._task = None
+        if not self._start_now(request):
+            self._task = self._loop.create_task(self._start_later(request))
 
-    async def _run(self, request):
-        if not await self._start(request, unary_request=True) and self._stream is None:
-            raise self._error()
+    def _start_now(self, request) -> bool:
+        """True if the call started (or ended) here, False if a task must start it."""
+        conn = self._channel._conn
+        if conn is None or not conn.alive or self._plugins:
+            return False
         try:
-            return await self._unary_result()
-        except AioRpcError:
-            if self._code == grpc.StatusCode.CANCELLED and self._details == CANCELLED_DETAILS:
-                raise asyncio.CancelledError() from None
-            raise
+            headers = self._headers()
+        except ValueError as e:
+            self._finish(grpc.StatusCode.INTERNAL, str(e))
+            return True
+        data = self._serialized(request)
+        if data is None:
+            return True
+        payload, compressed = _wire.maybe_compress(data, self._encoding)
+        self._conn = conn
+        try:
+            stream, done = conn.start_call(self, headers, payload, compressed)
+        except (ConnectionFailed, errors.FabricError) as e:
+            self._finish(grpc.StatusCode.UNAVAILABLE, f"connection lost: {e}")
+            return True
+        if stream is None:                      # the peer's stream limit: wait in a task
+            return False
+        self._stream = stream
+        if not done or (len(payload) >= _h2.ZERO_COPY_MIN and type(payload) is not bytes):
+            self._task = self._loop.create_task(self._send_rest(payload))
+        self.wake()                             # (a failure while sending is seen at once)
+        return True
+
+    async def _start_later(self, request):
+        if await self._start(request, unary_request=True) and self._stream is not None:
+            self._stream.owner = self
+            self.wake()
+
+    async def _send_rest(self, payload):
+        try:
+            await self._conn.finish_message(self._stream, self._waiter, payload, self._deadline)
+        except TimeoutError:
+            self._abort(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        except ConnectionFailed:
+            self._settle()
+
+    def wake(self):
+        """(the connection's reader, as the stream's owner) The stream moved:
+        settle the call once its response is complete."""
+        s = self._stream
+        self._waiter.wake()                     # whoever awaits metadata or the status
+        if s is None or self._code is not None:
+            return
+        if not (s.ended or s.peer_done or len(s.messages) > 1 or s.failure is not None or s.reset_code is not None):
+            return
+        self._capture_initial()
+        if len(s.messages) > 1:
+            self._abort(grpc.StatusCode.INTERNAL, "Too many responses for unary call")
+            return
+        if s.messages and s.failure is None:
+            msg = self._conn.take_message(s)
+            try:
+                self._result = self._deserialize(msg) if self._deserialize else msg
+            except Exception as e:               # noqa: BLE001 - reported as the call's status
+                self._abort(grpc.StatusCode.INTERNAL, f"Exception deserializing response! {e!r}")
+                return
+            self._got_response = True
+        self._settle()
+
+    def _finish(self, code, details, trailing=None) -> bool:
+        if not super()._finish(code, details, trailing):
+            return False
+        awaiters, self._awaiters = self._awaiters, None
+        for fut in awaiters or ():
+            if not fut.done():
+                fut.set_result(None)
+        return True
+
+    def _outcome(self):
+        if self._code == grpc.StatusCode.OK:
+            return self._result
+        if self._code == grpc.StatusCode.CANCELLED and self._details == CANCELLED_DETAILS:
+            raise asyncio.CancelledError()
+        raise self._error()
 
     def __await__(self):
-        return self._task.__await__()
+        if self._code is None:
+            fut = self._loop.create_future()
+            if self._awaiters is None:
+                self._awaiters = []
+            self._awaiters.append(fut)
+            try:
+                yield from fut.__await__()
+            except asyncio.CancelledError:
+                if self._code is None:          # the awaiting task was cancelled: so is the call
+                    self.cancel()
+                raise
+        return self._outcome()
 
 
 class UnaryStreamCall(_ResponseReader, _Call, grpc.aio.UnaryStreamCall):

@@ -85,14 +85,11 @@ class _MultiCallable:
             path, method = method, method.decode()
         else:
             path = self._path if method == self._method else method.encode()
-        call = self._call_class(request, self._channel, method, path, self._serialize, self._deserialize,
-                                timeout, metadata, wait_for_ready, compression)
         plugins = self._channel._call_plugins
         if credentials is not None:
             plugins = plugins + _tls.call_plugins(credentials)
-        if plugins:
-            call._plugins = plugins
-        self._channel._calls.add(call)
+        call = self._call_class(request, self._channel, method, path, self._serialize, self._deserialize,
+                                timeout, metadata, wait_for_ready, compression, plugins)
         return call
 
 
