@@ -127,7 +127,7 @@ def categorize(times, calls):
 # ---------------------------------------------------------------- the two processes
 def usage():
     r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime, r.ru_nvcsw, r.ru_nivcsw
+    return r.ru_utime + r.ru_stime, r.ru_nvcsw, r.ru_nivcsw, r.ru_minflt
 
 
 def run_side(role, kind, port, aio, root):
@@ -181,17 +181,18 @@ def run_side(role, kind, port, aio, root):
             base = (usage(), threading.active_count())
             print("{}", flush=True)
         elif words[0] == "call":
-            n = int(words[1])
-            t = client.rtt(8, n)
+            n, size = int(words[1]), int(words[2])
+            t = client.rtt(size, n)
             print(json.dumps({"wall_us": t * 1e6}), flush=True)
         elif words[0] == "stop":
             calls = int(words[1])
-            (cpu0, vol0, invol0), threads0 = base
-            cpu1, vol1, invol1 = usage()
+            (cpu0, vol0, invol0, flt0), threads0 = base
+            cpu1, vol1, invol1, flt1 = usage()
             stats = profiles.stop() if profiles is not None else None
             cats, top = categorize(stats, calls)
             print(json.dumps({"cpu_us": (cpu1 - cpu0) / calls * 1e6, "voluntary_switches": (vol1 - vol0) / calls,
                               "involuntary_switches": (invol1 - invol0) / calls,
+                              "page_faults": (flt1 - flt0) / calls,
                               "threads": threading.active_count(), "categories": cats, "top": top}), flush=True)
     if client is not None:
         client.close()
@@ -232,11 +233,11 @@ class Pair:
         proc.stdin.flush()
         return json.loads(proc.stdout.readline())
 
-    def measure(self, calls):
-        self.ask(self.client, "call 200")                    # warm
+    def measure(self, calls, size):
+        self.ask(self.client, f"call 50 {size}")             # warm
         for p in (self.server, self.client):
             self.ask(p, "start")
-        wall = self.ask(self.client, f"call {calls}")["wall_us"]
+        wall = self.ask(self.client, f"call {calls} {size}")["wall_us"]
         client = self.ask(self.client, f"stop {calls}")
         server = self.ask(self.server, f"stop {calls}")
         return {"wall_us": wall, "client": client, "server": server}
@@ -258,17 +259,19 @@ def main(argv=None):
     ap.add_argument("--kinds", default="fabric+ucx,fabric-plain,grpcio")
     ap.add_argument("--aio", action="store_true")
     ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--size", type=int, default=8, help="request and response bytes")
     ap.add_argument("--root", help="another checkout of fabric to measure (before)")
     ap.add_argument("--json")
+    ap.add_argument("--no-profile", action="store_true", help="the unprofiled pass only")
     args = ap.parse_args(argv)
     results = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "aio": args.aio, "kinds": {}}
     for kind in args.kinds.split(","):
         plain = None
         profiled = {}
-        for profile in (None, "client", "server"):         # one side profiled at a time
+        for profile in (None,) if args.no_profile else (None, "client", "server"):   # one side profiled at a time
             pair = Pair(kind, args.aio, args.root, profile)
             try:
-                got = pair.measure(args.calls if not profile else max(200, args.calls // 2))
+                got = pair.measure(args.calls if not profile else max(200, args.calls // 2), args.size)
             finally:
                 pair.close()
             if profile:
@@ -280,9 +283,10 @@ def main(argv=None):
         print(f"== {kind}{' (aio)' if args.aio else ''}: {plain['wall_us']:.0f} us per call; CPU per call: "
               f"client {plain['client']['cpu_us']:.0f} us, server {plain['server']['cpu_us']:.0f} us; "
               f"voluntary switches per call: client {plain['client']['voluntary_switches']:.2f}, "
-              f"server {plain['server']['voluntary_switches']:.2f}; threads: client {plain['client']['threads']}, "
+              f"server {plain['server']['voluntary_switches']:.2f}; page faults per call: client "
+              f"{plain['client']['page_faults']:.1f}, server {plain['server']['page_faults']:.1f}; threads: client {plain['client']['threads']}, "
               f"server {plain['server']['threads']}")
-        for side in ("client", "server"):
+        for side in () if args.no_profile else ("client", "server"):
             cats = profiled[side]["categories"]
             print(f"   {side:<6} profiled ({profiled[side]['wall_us']:.0f} us per call), CPU us/call: " + ", ".join(
                 f"{k} {v:.1f}" for k, v in cats.items() if v >= 0.5))

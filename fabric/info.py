@@ -355,6 +355,27 @@ def gather_knobs(backend: str | None = None, overrides: dict | None = None) -> d
     return out
 
 
+def gather_grpc() -> dict:
+    """fabric.grpc: which HTTP/2 core it runs on, and the grpcio it needs."""
+    import glob
+    import importlib.machinery
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "grpc")
+    built = {name: any(glob.glob(os.path.join(here, name + s)) for s in importlib.machinery.EXTENSION_SUFFIXES)
+             for name in ("_h2", "_hpack")}
+    out = {"core_built": all(built.values()), "grpcio": None, "error": None}
+    if out["core_built"]:
+        out["core"] = "fabric's own, in C (fabric.grpc._h2: frames, streams, flow control; fabric.grpc._hpack: HPACK)"
+    else:
+        missing = ", ".join(f"fabric.grpc.{n}" for n, ok in built.items() if not ok)
+        out["core"] = f"not built ({missing} missing): reinstall fabric-transport"
+    try:
+        import grpc
+        out["grpcio"] = grpc.__version__
+    except ImportError as e:
+        out["error"] = f"fabric.grpc needs grpcio ({e}): pip install 'fabric-transport[grpc]'"
+    return out
+
+
 # ------------------------------------------------------------------- report
 
 def gather(backend: str | None = None, overrides: dict | None = None, sysfs: str = SYSFS_IB) -> dict:
@@ -367,6 +388,7 @@ def gather(backend: str | None = None, overrides: dict | None = None, sysfs: str
     data["ucx"] = gather_ucx(user_env)
     data["rdma"] = gather_rdma(sysfs)
     data["knobs"] = gather_knobs(backend, overrides)
+    data["grpc"] = gather_grpc()
     return data
 
 
@@ -440,6 +462,11 @@ def format_text(data: dict) -> str:
     lines.append(f"  rule: {choice['rule']}")
     if choice["settings"]:
         lines.append("  set: " + ", ".join(f"{k}={v}" for k, v in choice["settings"].items()))
+
+    g = data.get("grpc")
+    if g is not None:
+        lines += ["", "grpc", f"  HTTP/2 core: {g['core']}",
+                  f"  grpcio {g['grpcio']} (status codes, handler and call types)" if g["grpcio"] else f"  {g['error']}"]
 
     k = data["knobs"]
     p = k["profile"]

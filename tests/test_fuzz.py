@@ -1,8 +1,8 @@
 """Short, seeded fuzzing runs of fabric's decoders (atheris on a copy of
 fabric built with clang's sanitizer coverage and AddressSanitizer, see
 tools/fuzz.py): the frame decoder, the tcp fabric's byte parser, a whole
-endpoint's handshake and frame handling, and the connection preamble with
-its authentication. Any crash, sanitizer report,
+endpoint's handshake and frame handling, the connection preamble with
+its authentication, and fabric.grpc's HPACK decoder and HTTP/2 core. Any crash, sanitizer report,
 unexpected exception or memory beyond the configured bounds fails the run.
 The long run is `python tools/fuzz.py all --time 600` (bench/RESULTS.md)."""
 from __future__ import annotations
@@ -17,10 +17,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import fuzz  # noqa: E402
 
 # runs per target: a few seconds each on this machine
-RUNS = {"frame": 150000, "tcp": 40000, "handshake": 20000, "auth": 20000}
-# coverage edges the committed corpus reaches (measured: 281, 188, 512, 239;
+RUNS = {"frame": 150000, "tcp": 40000, "handshake": 20000, "auth": 20000, "hpack": 40000, "h2": 30000}
+# coverage edges the committed corpus reaches (measured: 281, 188, 512, 239, 358, 2093;
 # the Python harness alone has a few dozen): the instrumented copy is in use
-MIN_EDGES = {"frame": 200, "tcp": 130, "handshake": 350, "auth": 180}
+MIN_EDGES = {"frame": 200, "tcp": 130, "handshake": 350, "auth": 180, "hpack": 280, "h2": 1500}
 
 
 @pytest.fixture(scope="module")

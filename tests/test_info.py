@@ -112,6 +112,9 @@ def test_text_report_is_aligned_and_names_everything(tmp_path):
     assert len({ln.index(ln.split()[1]) + len(ln.split()[1]) for ln in knob_rows}) == 1
     if not os.path.exists("/sys/class/infiniband"):
         assert "  no RDMA devices (no /sys/class/infiniband)" in lines
+    # which HTTP/2 core fabric.grpc runs on
+    grpc_at = lines.index("grpc")
+    assert lines[grpc_at + 1].startswith("  HTTP/2 core: fabric's own, in C")
 
 
 def test_stdout_carries_only_the_report(tmp_path):

@@ -8,7 +8,7 @@ The copy is built with clang (-fsanitize=address,fuzzer-no-link): libFuzzer
 then sees coverage of the Cython decoders themselves, and AddressSanitizer
 turns any out-of-bounds access or use-after-free into a crash report. It runs
 with atheris' ASan runtime preloaded. Targets are in tests/fuzz/targets.py
-(frame, tcp, handshake, auth). The corpus grows in build/fuzz-corpus/TARGET
+(frame, tcp, handshake, auth, hpack, h2). The corpus grows in build/fuzz-corpus/TARGET
 unless --corpus names another directory; crashes are written to
 build/fuzz-crashes/. tests/test_fuzz.py runs each target for a few seconds
 with a fixed seed.
@@ -24,7 +24,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILD = os.path.join(ROOT, "build", "fuzz")
-TARGETS = ("frame", "tcp", "handshake", "auth")
+TARGETS = ("frame", "tcp", "handshake", "auth", "hpack", "h2")
 SANITIZE = "-fsanitize=address,fuzzer-no-link"
 
 

@@ -15,6 +15,12 @@ Targets:
   auth       the connection preamble and the HMAC authentication of an
              endpoint holding a key (core/auth.pxi), fed as the listener
              would from the first byte
+  hpack      fabric.grpc's HPACK decoder (fabric/grpc/_hpack.pyx) on header
+             blocks, one after another on one decoder (its table carries over)
+  h2         fabric.grpc's HTTP/2 core (fabric/grpc/_h2.pyx) as a server
+             (after a client preface) or a client (with a call open), fed the
+             input whole and, on a second connection, cut in two: both must
+             end the same (the same calls, or the same connection error)
 
 Each input must end with the connection either working or failed with a
 fabric error: never a crash, never a Python exception other than the
@@ -182,7 +188,85 @@ def fuzz_auth(data: bytes) -> None:
         theirs.close()
 
 
-TARGETS = {"frame": fuzz_frame, "tcp": fuzz_tcp, "handshake": fuzz_handshake, "auth": fuzz_auth}
+# ------------------------------------------------------------ hpack, h2
+
+def fuzz_hpack(data: bytes) -> None:
+    from fabric.grpc import _hpack
+    dec = _hpack.Decoder(max_header_list=4096)
+    pos = 0
+    while pos < len(data):                     # blocks of (1-byte length, bytes)
+        n = data[pos]
+        block = data[pos + 1:pos + 1 + n]
+        pos += 1 + n
+        try:
+            headers, too_large = dec.decode(block)
+        except _hpack.HpackError:
+            return
+        assert dec.table_size <= 4096
+        listed = sum(len(k) + len(v) + 32 for k, v in headers)
+        assert listed <= 4096 and (too_large or listed == sum(len(k) + len(v) + 32 for k, v in headers))
+
+
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+H2_REQUEST = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/a/b"), (b":authority", b"x"),
+              (b"content-type", b"application/grpc"), (b"te", b"trailers")]
+
+
+def _h2_connection(client: bool):
+    from fabric.grpc import _h2
+    core = _h2.Connection(client, initial_window=1 << 16, connection_window=1 << 17, max_frame=1 << 15,
+                          max_concurrent=16, max_header_list=2048, max_receive=1 << 14,
+                          queued_high_water=1 << 15)
+    core.initiate()
+    if client:
+        core.open_stream(H2_REQUEST)
+    core.take_output()
+    return core
+
+
+def _h2_feed(client: bool, pieces) -> tuple:
+    """What a connection ends with after the pieces: (error code or None,
+    (id, messages, ended, reset, failure kind) of each stream touched)."""
+    from fabric.grpc import _h2
+    core = _h2_connection(client)
+    seen = {}
+    try:
+        for piece in pieces:
+            for s in core.receive(piece):
+                seen[s.id] = s
+                if s.is_new:
+                    core.accepted(s)
+                while s.messages:
+                    core.consume(s, len(s.take_message()))
+            target = core.direct_target()
+            assert target is None or len(target) <= 1 << 14
+        error = None
+    except _h2.H2Error as e:
+        error = e.code
+        assert core.dead is not None
+    out = core.take_output()
+    assert out is None or all(len(x) < (1 << 24) for x in out)
+    return error, sorted((sid, s.ended, s.reset_code, type(s.failure).__name__) for sid, s in seen.items())
+
+
+def fuzz_h2(data: bytes) -> None:
+    if not data:
+        return
+    client = bool(data[0] & 1)
+    cut = data[1] if len(data) > 1 else 0
+    body = data[2:]
+    if not client:
+        body = H2_PREFACE + body
+    whole = _h2_feed(client, [body])
+    cut = cut % (len(body) + 1)
+    halves = _h2_feed(client, [body[:cut], body[cut:]])
+    assert whole[0] == halves[0], (whole, halves)
+    if whole[0] is None:
+        assert whole[1] == halves[1], (whole, halves)
+
+
+TARGETS = {"frame": fuzz_frame, "tcp": fuzz_tcp, "handshake": fuzz_handshake, "auth": fuzz_auth,
+           "hpack": fuzz_hpack, "h2": fuzz_h2}
 
 
 def seeds(target: str) -> list[bytes]:
@@ -199,6 +283,24 @@ def seeds(target: str) -> list[bytes]:
         req = struct.pack("<QQQ", 0x1000, 64, 0x1234)
         return [wire(eager), wire(hello) + wire(eager + credit), wire(req, kind=2, ident=1),
                 wire(b"\x00" * 4, kind=4, ident=1), wire(b"x" * 64, kind=3, ident=1)]
+    if target == "hpack":
+        import hpack
+        blocks = [hpack.Encoder().encode(H2_REQUEST), hpack.Encoder().encode(H2_REQUEST, huffman=True),
+                  b"\x3f\xe1\x1f\x82", b"\x40\x03abc\x03def\xbe"]
+        return [bytes([len(b)]) + b for b in blocks if len(b) < 256] + \
+            [b"".join(bytes([len(b)]) + b for b in blocks if len(b) < 256)]
+    if target == "h2":
+        def fr(t, f, sid, payload=b""):
+            return struct.pack(">BHBBI", len(payload) >> 16, len(payload) & 0xFFFF, t, f, sid) + payload
+        settings = fr(4, 0, 0)
+        import hpack
+        block = hpack.Encoder().encode(H2_REQUEST)
+        msg = b"\x00\x00\x00\x00\x03abc"
+        server = settings + fr(1, 4, 1, block) + fr(0, 1, 1, msg)
+        client = settings + fr(1, 4, 1, b"\x88") + fr(0, 0, 1, msg) + fr(1, 5, 1, b"\x40\x0bgrpc-status\x010")
+        return [b"\x00\x10" + server, b"\x01\x05" + client, b"\x00\x00" + settings + fr(6, 0, 0, b"12345678"),
+                b"\x01\x00" + settings + fr(7, 0, 0, b"\x00\x00\x00\x01\x00\x00\x00\x00bye"),
+                b"\x00\x03" + settings + fr(1, 0, 1, block[:3]) + fr(9, 4, 1, block[3:]) + fr(8, 0, 0, b"\x00\x00\x10\x00")]
     if target == "auth":
         return [b"\x01" + bytes(32), b"\x01" + b"\x00" * 40, b"\x00" + LISTENER_PREAMBLE,
                 b"\x00FBAU\x02", b"\x00" + LISTENER_PREAMBLE[:5] + b"\x00" + LISTENER_PREAMBLE[6:]]
