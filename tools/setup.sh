@@ -24,6 +24,8 @@ if [ "$LEAN" = 0 ]; then
     command -v clang >/dev/null || command -v clang-14 >/dev/null || need+=(clang)
     # the openssl command: the TLS tests make their certificates with it
     command -v openssl >/dev/null || need+=(openssl)
+    # h2load: an HTTP/2 load generator not ours, against fabric.grpc's servers
+    command -v h2load >/dev/null || need+=(nghttp2-client)
     # OpenSSL's headers: TLS on the tcp fabric (fabric/backends/tls.pyx)
     dpkg -s libssl-dev >/dev/null 2>&1 || need+=(libssl-dev)
 fi
