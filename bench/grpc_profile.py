@@ -216,7 +216,7 @@ async def _aio_server(pb, pb_grpc, kind, holder, ready):
 
 class Pair:
     def __init__(self, kind, aio, root, profile=None):
-        env = dict(os.environ, PYTHONPATH=(root or os.path.dirname(HERE)))
+        env = dict(os.environ, PYTHONPATH=(root or os.path.dirname(HERE)), FABRIC_BENCH_ROOT=(root or os.path.dirname(HERE)))
         args = [sys.executable, os.path.abspath(__file__)]
         extra = (["--aio"] if aio else []) + (["--root", root] if root else []) + ([f"--profile={profile}"] if profile else [])
         self.server = subprocess.Popen(args + ["--side", "server", kind, "0"] + extra, stdin=subprocess.PIPE,

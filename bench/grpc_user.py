@@ -31,6 +31,8 @@ Measures:
   stream   16 MiB messages streamed to StreamingInputCall: MB/s
 --busy runs a CPU-bound process beside every measurement (as on a loaded server).
 
+A contender spelled KIND@DIR runs fabric from the checkout DIR (built in
+place): an older commit measured beside this one, in the same run.
 Rounds interleave the contenders; each figure is the median of its rounds,
 with the spread (min-max) beside it; ratios are to grpcio's median of the
 same measure in the same run.
@@ -55,7 +57,8 @@ from concurrent import futures
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PROTOS = os.path.join(ROOT, "tests", "protos")
-sys.path.insert(0, ROOT)
+# a contender spelled KIND@DIR runs fabric from the checkout DIR (an older commit: before and after in one run)
+sys.path.insert(0, os.environ.get("FABRIC_BENCH_ROOT") or ROOT)
 
 LIMIT = 64 << 20
 OPTIONS = [("grpc.max_receive_message_length", LIMIT), ("grpc.max_send_message_length", LIMIT)]
@@ -82,6 +85,7 @@ def generated():
 
 def stacks(kind):
     """(client stack, server stack, transport) of a contender."""
+    kind = kind.split("@", 1)[0]
     if kind == "grpcio":
         return "grpcio", "grpcio", "plain"
     if kind == "fabric>grpcio":
@@ -363,7 +367,8 @@ class Contender:
     def __init__(self, kind, aio):
         self.kind = kind
         mode = ["--aio"] if aio else []
-        env = dict(os.environ, PYTHONPATH=ROOT)
+        root = kind.split("@", 1)[1] if "@" in kind else ROOT
+        env = dict(os.environ, PYTHONPATH=root, FABRIC_BENCH_ROOT=root)
         self.server = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", kind] + mode,
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         port = self.server.stdout.readline().strip()

@@ -103,6 +103,8 @@ class _Call(grpc.Call, grpc.Future):
         self._details = ""
         self._initial = None
         self._trailing = ()
+        self._raw_initial = None        # response headers, made metadata only if asked for
+        self._raw_trailing = None       # the same for the trailers
         self._callbacks = None
         self._done_callbacks = None
         self._state_lock = threading.Lock()
@@ -314,7 +316,8 @@ class _Call(grpc.Call, grpc.Future):
         code, details = _wire.status_of_headers(trailers or ())
         if code == grpc.StatusCode.OK and self._unary and not self._got_response:
             code, details = grpc.StatusCode.INTERNAL, "No message returned for unary call"
-        self._finish(code, details, trailing=_wire.headers_to_metadata(trailers or ()))
+        self._raw_trailing = trailers
+        self._finish(code, details)
 
     def _ready(self):
         s = self._stream
@@ -342,11 +345,21 @@ class _Call(grpc.Call, grpc.Future):
     def _capture_initial(self, s):
         """(connection lock held) Initial metadata once the response headers
         are in; a Trailers-Only response (status in its only HEADERS) has none."""
-        if self._initial is None and s.headers is not None:
+        if self._initial is None and self._raw_initial is None and s.headers is not None:
             if s.trailers is None and s.ended and any(k == b"grpc-status" for k, _ in s.headers):
                 self._initial = ()
             else:
-                self._initial = _wire.headers_to_metadata(s.headers)
+                self._raw_initial = s.headers
+
+    def _initial_metadata(self):
+        if self._initial is None and self._raw_initial is not None:
+            self._initial = _wire.headers_to_metadata(self._raw_initial)
+        return self._initial or ()
+
+    def _trailing_metadata(self):
+        if self._raw_trailing is not None:
+            self._trailing, self._raw_trailing = _wire.headers_to_metadata(self._raw_trailing), None
+        return self._trailing
 
     def _deserialize_message(self, msg):
         try:
@@ -383,7 +396,7 @@ class _Call(grpc.Call, grpc.Future):
         return self._code
 
     def _error(self):
-        return RpcError(self._code, self._details, self._initial or (), self._trailing)
+        return RpcError(self._code, self._details, self._initial_metadata(), self._trailing_metadata())
 
     def _unary_response(self):
         """Wait for the single response of a unary-response call and the
@@ -420,17 +433,17 @@ class _Call(grpc.Call, grpc.Future):
     # -- grpc.Call / RpcContext
     def initial_metadata(self):
         s = self._stream
-        if self._initial is None and s is not None:
+        if self._initial is None and self._raw_initial is None and s is not None:
             conn = self._conn
             with conn.lock:
                 conn.await_(self._waiter, lambda: s.headers is not None or s.ended or s.failure is not None or
                             s.reset_code is not None or self._code is not None, self._deadline)
                 self._capture_initial(s)
-        return self._initial or ()
+        return self._initial_metadata()
 
     def trailing_metadata(self):
         self._wait_done()
-        return self._trailing
+        return self._trailing_metadata()
 
     def code(self):
         self._wait_done()

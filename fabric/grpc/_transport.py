@@ -82,6 +82,12 @@ class SocketStream:
             raise errors.ConnectionLost(f"socket read failed: {e}") from None
 
     def write(self, buffers) -> None:
+        if type(buffers) is bytes:
+            try:
+                self.sock.sendall(buffers)
+            except OSError as e:
+                raise errors.ConnectionLost(f"socket write failed: {e}") from None
+            return
         views = [memoryview(b).cast("B") for b in (buffers if isinstance(buffers, (list, tuple)) else [buffers])]
         views = [v for v in views if v.nbytes]
         try:
@@ -115,34 +121,56 @@ class SocketStream:
 
 
 class FabricStreamAdapter:
-    """fabric.stream.Stream as fabric.grpc sees it: whole writes, whole reads."""
+    """A fabric.stream.Stream as fabric.grpc sees it: whole writes, whole
+    reads, on its endpoint directly (the connection already keeps to one
+    reader and one writer at a time, so the stream's own gates and pending
+    bytes are not needed; a read_into that a message does not fit keeps the
+    rest here)."""
 
     def __init__(self, stream):
         self.stream = stream
+        self.endpoint = stream.endpoint
         self.local_address = stream.local_address
         self.peer_address = stream.peer_address
+        self._rest = None              # a message read_into could not hold whole
 
     def read_message(self, timeout=None):
+        """The peer's next write as a buffer, None at its end; Timeout."""
+        if self._rest is not None:
+            rest, self._rest = self._rest, None
+            return rest
         try:
-            return self.stream.read_message(timeout=timeout)
+            msg = self.endpoint.recv(timeout=timeout)
         except errors.ConnectionClosed:
             return None
+        return msg if len(msg) else None          # an empty message is the writer's end
 
     def read_into(self, buf) -> int:
         """Bytes read into buf; the fabric pulls a write that fits straight in."""
+        if self._rest is not None:
+            n = min(len(buf), len(self._rest))
+            buf[:n] = self._rest[:n]
+            self._rest = self._rest[n:] if n < len(self._rest) else None
+            return n
         try:
-            return self.stream.read_into(buf)
+            return self.endpoint.recv_into(buf)
+        except errors.MessageTooLarge:
+            msg = memoryview(self.endpoint.recv()).cast("B")
+            n = len(buf)
+            buf[:n] = msg[:n]
+            self._rest = msg[n:]
+            return n
         except errors.ConnectionClosed:
             return 0
 
     def write(self, buffers) -> None:
-        self.stream.write(buffers)
+        self.endpoint.send(buffers)
 
     def write_nowait(self, buffer):
         """Hand an immutable buffer to the fabric without waiting for the peer
         to take it; returns a request (wait() raises if the write failed).
         Writes stay in call order with write()."""
-        return self.stream.write_nowait(buffer)
+        return self.endpoint.isend(buffer)
 
     def close(self) -> None:
         try:

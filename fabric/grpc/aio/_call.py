@@ -45,6 +45,8 @@ class _Call:
         self._details = ""
         self._initial = None
         self._trailing = ()
+        self._raw_initial = None        # response headers, made metadata only if asked for
+        self._raw_trailing = None
         self._stream = None
         self._conn = None
         self._waiter = Waiter()
@@ -86,7 +88,7 @@ class _Call:
         self._abort(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
     def _error(self) -> AioRpcError:
-        return AioRpcError(self._code, metadata_of(self._initial or ()), metadata_of(self._trailing),
+        return AioRpcError(self._code, metadata_of(self._initial_metadata()), metadata_of(self._trailing_metadata()),
                            self._details, f"{self._code}: {self._details}")
 
     def _settle(self):
@@ -128,15 +130,26 @@ class _Call:
         code, details = _wire.status_of_headers(trailers or ())
         if code == grpc.StatusCode.OK and self._unary_response and not self._got_response:
             code, details = grpc.StatusCode.INTERNAL, "No message returned for unary call"
-        self._finish(code, details, trailing=_wire.headers_to_metadata(trailers or ()))
+        self._raw_trailing = trailers
+        self._finish(code, details)
 
     def _capture_initial(self):
         s = self._stream
-        if self._initial is None and s is not None and s.headers is not None:
+        if self._initial is None and self._raw_initial is None and s is not None and s.headers is not None:
             if s.trailers is None and s.ended and any(k == b"grpc-status" for k, _ in s.headers):
                 self._initial = ()
             else:
-                self._initial = _wire.headers_to_metadata(s.headers)
+                self._raw_initial = s.headers
+
+    def _initial_metadata(self):
+        if self._initial is None and self._raw_initial is not None:
+            self._initial = _wire.headers_to_metadata(self._raw_initial)
+        return self._initial or ()
+
+    def _trailing_metadata(self):
+        if self._raw_trailing is not None:
+            self._trailing, self._raw_trailing = _wire.headers_to_metadata(self._raw_trailing), None
+        return self._trailing
 
     # -- sending
     def _headers(self):
@@ -342,7 +355,7 @@ class _Call:
             self._done_callbacks.append(callback)
 
     async def initial_metadata(self):
-        while self._initial is None and self._code is None:
+        while self._initial is None and self._raw_initial is None and self._code is None:
             s = self._stream
             if s is None:
                 await asyncio.sleep(0)
@@ -352,11 +365,11 @@ class _Call:
             self._capture_initial()
             if s.failure is not None or s.reset_code is not None:
                 self._settle()
-        return metadata_of(self._initial or ())
+        return metadata_of(self._initial_metadata())
 
     async def trailing_metadata(self):
         await self._wait_status()
-        return metadata_of(self._trailing)
+        return metadata_of(self._trailing_metadata())
 
     async def code(self):
         return await self._wait_status()
