@@ -18,6 +18,10 @@ from fabric import backends  # noqa: E402
 
 BIG = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 SIZES = [0, 10, 70000, 3 << 20, (16 << 20) + 7]
+IN_GUEST = os.environ.get("FABRIC_TEST_BACKENDS") == "verbs"          # the Soft-RoCE guest: verbs only
+TRANSPORTS = ["fabric+verbs"] if IN_GUEST else ["plain", "fabric+tcp", "fabric+ucx", "fabric+verbs"]
+PEERS = ["fabric+verbs"] if IN_GUEST else ["fabric-plain", "fabric+tcp", "fabric+ucx", "fabric+verbs",
+                                           "grpcio-server", "grpcio-client"]
 
 
 def handlers():
@@ -75,7 +79,7 @@ def need(transport):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("transport", ["plain", "fabric+tcp", "fabric+ucx"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_sync_calls_of_every_size(transport, monkeypatch):
     need(transport)
     server = fgrpc.server(futures.ThreadPoolExecutor(8), handlers=handlers(), options=BIG)
@@ -95,6 +99,7 @@ def test_sync_calls_of_every_size(transport, monkeypatch):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.skipif(IN_GUEST, reason="the guest runs the verbs cases only (the host runs this one)")
 def test_sync_calls_of_every_size_against_stock_grpcio_both_ways():
     stock = grpc.server(futures.ThreadPoolExecutor(8), handlers=handlers(), options=BIG)
     stock_port = stock.add_insecure_port("127.0.0.1:0")
@@ -113,7 +118,7 @@ def test_sync_calls_of_every_size_against_stock_grpcio_both_ways():
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("peer", ["fabric-plain", "fabric+tcp", "fabric+ucx", "grpcio-server", "grpcio-client"])
+@pytest.mark.parametrize("peer", PEERS)
 def test_asyncio_calls_of_every_size(peer):
     import grpc.aio
     need(peer)

@@ -27,7 +27,7 @@ if why=$(.venv/bin/python tools/softroce.py --check 2>&1); then
     .venv/bin/python tools/softroce.py --timeout 2400 -- env FABRIC_TEST_BACKENDS=verbs \
         FABRIC_TEST_CONNECTIONS=100 FABRIC_TEST_LOAD_SECONDS=8 FABRIC_TEST_LOAD_MAX_SIZE=16M \
         .venv/bin/python -m pytest -p no:cacheprovider "$@" \
-        tests/test_endpoint.py tests/test_asyncio.py tests/test_stream.py tests/test_grpc.py tests/test_grpc_aio.py tests/test_grpc_scale.py tests/test_verbs.py \
+        tests/test_endpoint.py tests/test_asyncio.py tests/test_stream.py tests/test_grpc.py tests/test_grpc_aio.py tests/test_grpc_scale.py tests/test_grpc_messages.py tests/test_verbs.py \
         tests/test_lifecycle.py tests/test_scale.py tests/test_faults.py tests/test_lifecycle_stateful.py \
         tests/test_load.py tests/test_dask.py tests/test_torch.py tests/test_auth.py tests/test_limits.py
     guest=$?
