@@ -318,21 +318,19 @@ class _Peer:
 
     def post(self, key: tuple, waiter: _Waiter) -> _Waiter:
         with self.lock:
-            if self.error is not None:
-                early = None
-            else:
-                queue_ = self.early.get(key)
-                early = None
-                if queue_ and (waiter.claim is None or waiter.claim.take(self.rank)):
-                    early = queue_.popleft()
-                    self.early_bytes -= memoryview(early).nbytes
-                    if not queue_:
-                        del self.early[key]
-                if early is None:
-                    if waiter.claim is not None and waiter.claim.taken:
-                        return waiter                 # another rank's transfer took it
-                    self.posted.setdefault(key, deque()).append(waiter)
-                    return waiter
+            # what arrived before the peer failed is still its to take
+            queue_ = self.early.get(key)
+            early = None
+            if queue_ and (waiter.claim is None or waiter.claim.take(self.rank)):
+                early = queue_.popleft()
+                self.early_bytes -= memoryview(early).nbytes
+                if not queue_:
+                    del self.early[key]
+            if early is None and self.error is None:
+                if waiter.claim is not None and waiter.claim.taken:
+                    return waiter                 # another rank's transfer took it
+                self.posted.setdefault(key, deque()).append(waiter)
+                return waiter
         if early is None:
             waiter.fail(self.error)
         else:
@@ -363,16 +361,19 @@ class _Peer:
                 del self.posted[key]
             return True
 
-    def fail(self, error: str) -> None:
+    def fail(self, error: str, drop_arrived: bool = False) -> None:
         """The peer is unusable: every receive posted for it fails, and so
-        does every later one."""
+        does every later one that nothing arrived for (a rank that sent and
+        left is gone, but what it sent is not: drop_arrived only when the
+        group itself goes)."""
         with self.lock:
             if self.error is None:
                 self.error = error
             waiters = [w for q in self.posted.values() for w in q]
             self.posted.clear()
-            self.early.clear()
-            self.early_bytes = 0
+            if drop_arrived:
+                self.early.clear()
+                self.early_bytes = 0
         for w in waiters:
             w.fail(self.error)
 
@@ -471,8 +472,11 @@ class FabricProcessGroup(dist.ProcessGroup):
         for t in threads:
             t.start()
         logger.debug("%r connected (all_reduce by ring from %d bytes)", self, self._ring_min)
+        # abort() closes at once; shutdown() and the finalizer let what is
+        # queued leave first (see _shutdown)
+        self._close_linger: list[float | None] = [None]
         self._finalizer = weakref.finalize(self, _shutdown, (self._queue, self._sends), self._fabric,
-                                           threads, list(self._peers.values()))
+                                           threads, list(self._peers.values()), self._close_linger)
 
     # ---- set-up
     def _connect(self, store) -> None:
@@ -512,6 +516,8 @@ class FabricProcessGroup(dist.ProcessGroup):
             self._finalizer()
 
     def abort(self) -> None:
+        """shutdown() without letting queued sends leave."""
+        self._close_linger[0] = 0.0
         self.shutdown()
 
     # a ProcessGroup written in Python has no backend object to carry its
@@ -1329,18 +1335,23 @@ def _settled(waiters) -> bool:
     return all(w.done.is_set() or (w.claim is not None and w.claim.taken) for _, w in waiters)
 
 
-def _shutdown(queues, fab, threads, peers) -> None:
+def _shutdown(queues, fab, threads, peers, linger) -> None:
     for q in queues:
         q.put(None)
     try:
-        fab.close(linger=0)        # wakes the readers (and fails what is pending)
+        # A send is complete once the engine holds it, not once it left: a
+        # rank that leaves right after its last collective must let those
+        # go (for at most close_linger seconds; a dead peer fails them at
+        # once), or the peers still waiting for them see it gone. Closing
+        # then wakes the readers and fails what is pending.
+        fab.close(linger=linger[0])
     except FabricError:
         pass
     for t in threads:
         if t is not threading.current_thread():
             t.join(10)
     for p in peers:
-        p.fail("fabric process group: the group was destroyed")
+        p.fail("fabric process group: the group was destroyed", drop_arrived=True)
 
 
 def _create_process_group(store, rank, size, timeout):

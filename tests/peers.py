@@ -186,6 +186,19 @@ def faulty(backend, address, scenario):
     time.sleep(30)
 
 
+def send_then_vanish(backend, address, count):
+    """Sends `count` small messages, closes its Fabric (which lets what is
+    queued leave) and exits at once, as a rank finishing its last collective
+    does. Every message must still arrive."""
+    fab = fabric.Fabric(backend, **SMALL)
+    say("starting")
+    ep = fab.connect(address, timeout=30)
+    for i in range(int(count)):
+        ep.send(i.to_bytes(4, "little"))
+    fab.close()
+    os._exit(0)
+
+
 # ------------------------------------------------- hostile or dying peers (issue 15)
 
 def half_mac(backend, address, key_hex):

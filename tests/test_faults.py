@@ -333,3 +333,26 @@ def test_a_peer_crashing_inside_a_send_with_many_asyncio_bystanders(backend_name
     finally:
         bystander.close(linger=0)
 
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("reader", ["waiting", "late"])
+def test_messages_sent_before_a_peer_vanishes_all_arrive(backend_name, victim, peer_factory, reader):
+    """A peer sends 50 small messages, closes its Fabric and exits at once:
+    every message it sent arrives before the
+    connection reports the loss, whether a receive was waiting ("waiting") or
+    the messages are read only after the peer has gone ("late"). Over UCX
+    shared memory the bootstrap socket's end can be seen before the worker
+    has taken the last messages from its receive queue."""
+    fab, lst = victim
+    peer = peer_factory("send_then_vanish", lst.address, 50, backend=backend_name)
+    ep = accept(fab, lst, peer)
+    if reader == "late":
+        peer.proc.wait(HANG)
+    got = []
+    with pytest.raises((fabric.ConnectionLost, fabric.ConnectionClosed)):
+        while True:
+            got.append(int.from_bytes(bytes(ep.recv(timeout=HANG)), "little"))
+    assert got == list(range(50))
+    ep.close()
+    still_serves(fab, lst, backend_name)

@@ -163,6 +163,11 @@ def test_a_missing_rank_times_out(backend_name):
 
 
 @pytest.mark.timeout(HANG + 60)
+def test_a_rank_leaving_right_after_its_sends_loses_none(backend_name):
+    run_ranks(backend_name, "leave", 2)
+
+
+@pytest.mark.timeout(HANG + 60)
 def test_destroy_process_group_leaves_nothing(backend_name):
     if IN_GUEST:
         pytest.skip(GUEST_RUNS_IT)

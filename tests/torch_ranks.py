@@ -545,7 +545,29 @@ def default():
     check(not left, f"descriptors left behind: {[(fd, _fds().get(fd)) for fd in sorted(left)]}")
 
 
-SCENARIOS = {f.__name__: f for f in (collectives, p2p, kill, timeout, destroy, ddp, default)}
+def leave():
+    """The last rank sends 400 small tensors, destroys its group as soon as
+    its sends are complete and exits; rank 0 takes them a second later:
+    every one arrives (a complete send is held by the engine, not yet sent)."""
+    fab = dist.new_group(backend="fabric")
+    count = 400
+    if RANK == WORLD - 1:
+        works = [dist.isend(torch.full((4,), float(k)), 0, group=fab, tag=k) for k in range(count)]
+        for w in works:
+            w.wait()
+        dist.destroy_process_group(fab)
+        os._exit(0)                          # no barrier, no world teardown: gone
+    if RANK == 0:
+        time.sleep(1.0)
+        got = torch.empty(4)
+        for k in range(count):
+            dist.recv(got, WORLD - 1, group=fab, tag=k)
+            check(torch.equal(got, torch.full((4,), float(k))), f"tensor {k} from the rank that left")
+            if FAILURES:
+                break
+
+
+SCENARIOS = {f.__name__: f for f in (collectives, p2p, kill, timeout, destroy, ddp, leave, default)}
 
 
 def main():
