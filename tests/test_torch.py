@@ -164,6 +164,9 @@ def test_a_missing_rank_times_out(backend_name):
 
 @pytest.mark.timeout(HANG + 60)
 def test_a_rank_leaving_right_after_its_sends_loses_none(backend_name):
+    if IN_GUEST:
+        pytest.skip("the host runs it: fabric.torch's shutdown, on tcp and ucx (tests/test_faults.py checks "
+                    "the same delivery on verbs in the guest)")
     run_ranks(backend_name, "leave", 2)
 
 
