@@ -116,6 +116,16 @@ class _Driver:
                 fn = self.watchers.get(key)
                 if fn is not None:
                     fn()
+        # poll_events() stops after a few rounds even when there is more to
+        # do (a large transfer moving a piece per round) and leaves what it
+        # touched unarmed: unless armed now, the descriptor may never become
+        # readable for it, and only the progress thread's one-second watch of
+        # a silent loop would move it (the first 1 MiB call of a fresh
+        # fabric+tcp server took 1 s in one run of twenty).
+        if self.watching and not self.worker.closed and not self.worker.arm():
+            loop = self.loop
+            if loop is not None:
+                loop.call_soon(self._run)
 
     def _on_notified(self):
         self.worker.drain_notify()

@@ -87,6 +87,10 @@ cdef size_t NATIVE_CHUNK = 1 << 30
 cdef uint64_t WAKE_KEY = 0xFFFFFFFFFFFFFFFFU
 cdef uint64_t HUB_KEY = 0xFFFFFFFFFFFFFFFEU
 cdef double BG_GRACE = 0.001    # application idle this long before the thread polls
+# An event loop that polls for the worker and has not entered the engine for
+# this long may have missed something (a frame a send read into a channel's
+# buffer, where no descriptor announces it): the progress thread looks.
+cdef double LOOP_SILENCE = 0.1
 
 
 ctypedef int (*pred_fn)(void* arg) noexcept nogil

@@ -341,12 +341,17 @@ cdef void* progress_thread_main(void* arg) noexcept nogil:
             pthread_cond_wait(&w.bg_cond, &w.lock)
             continue
         now = monotonic_now()
-        if w.loop_polling and now - w.last_app < 1.0:
+        if w.loop_polling and now - w.last_app < LOOP_SILENCE:
             # An event loop polls for us. Should it stop running without
-            # saying so, we take over after a second (and notify it).
+            # saying so, or miss an event, we take over after LOOP_SILENCE
+            # (and notify it). Waking then costs nothing while it is busy.
             w.bg_state = BG_BEHIND_POLLER
+            resume = w.last_app + LOOP_SILENCE
             clock_gettime(CLOCK_MONOTONIC, &ts)
-            ts.tv_sec += 1
+            ts.tv_nsec += <long>((resume - now) * 1e9) + 1000
+            if ts.tv_nsec >= 1000000000:
+                ts.tv_sec += 1
+                ts.tv_nsec -= 1000000000
             pthread_cond_timedwait(&w.bg_cond, &w.lock, &ts)
             continue
         resume = w.last_app + BG_GRACE
