@@ -161,6 +161,53 @@ def test_progress_made_by_another_coroutine_wakes_the_receiver(progress_by):
 
 
 @pytest.mark.timeout(90)
+def test_a_write_left_for_the_poller_by_a_call_on_the_loop_thread_is_armed():
+    """A call on the loop's thread outside the loop's polling (a send's
+    Request.done()) that serves the peer's pull and leaves the rest of a
+    large write waiting for socket space must arm the loop's descriptor for
+    it. (Left unarmed it waited for the progress thread's watch of a silent
+    loop: fabric.grpc.aio over fabric+tcp stalled so, one large call in ten;
+    forever with the thread off, as here.)"""
+    import select
+    import threading
+    big = np.random.default_rng(5).integers(0, 255, 16 << 20, dtype=np.uint8).tobytes()
+    opts = small_options(progress_thread=0, chunk_size=16 << 20, chunks_in_flight=1)
+
+    async def main():
+        fab = fabric.Fabric("tcp", **opts)
+        other = fabric.Fabric("tcp", **opts)
+        lst = other.listen("127.0.0.1:0")
+        server_task = asyncio.ensure_future(lst.aaccept(timeout=10))
+        client = await fab.aconnect(lst.address, timeout=10)
+        server = await server_task
+        lst.close()
+        watching = asyncio.ensure_future(client.arecv())     # the loop watches the client's Fabric
+        for _ in range(3):
+            await asyncio.sleep(0)
+        req = client.isend(big)
+        for _ in range(3):
+            await asyncio.sleep(0)           # the loop has seen to what the send itself left
+        got = []
+        receiver = threading.Thread(target=lambda: got.append(bytes(server.recv(timeout=30))))
+        receiver.start()                     # a blocking receiver: it pulls from its own thread
+        # the pull asks for the whole message at once; the loop does not run
+        # meanwhile, so this coroutine's call is what serves them, and the
+        # socket takes only part of what they ask for
+        assert select.select([client.worker.fileno()], [], [], 20)[0]
+        assert not req.done()
+        # from here only the loop's own polling can move the rest
+        await asyncio.get_running_loop().run_in_executor(None, receiver.join, 30)
+        assert got and got[0] == big
+        assert req.done()
+        watching.cancel()
+        client.close()
+        server.close()
+        fab.close()
+        other.close()
+    run(main())
+
+
+@pytest.mark.timeout(90)
 def test_first_wait_of_a_loop_sees_what_arrived_while_it_attached(backend_name, monkeypatch):
     """The first coroutine of a loop to wait on a Fabric attaches the loop;
     the progress thread may deliver the awaited message at that moment. The

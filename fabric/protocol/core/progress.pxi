@@ -312,9 +312,19 @@ cdef inline void notify_loop(worker_t* w) noexcept nogil:
     poll_events() hands `touched` to the waiters, and the socket it drained
     no longer makes fileno() readable."""
     cdef uint64_t one = 1
+    cdef int ready = 0
+    if not (w.loop_polling or w.loop_attached) or w.notify_fd < 0:
+        return
+    # What that progress left for the poller (the rest of a large write
+    # waiting for socket space, a frame read into a channel's buffer) must
+    # reach the loop's descriptor: arm it now. Left unarmed, it waited for
+    # the progress thread's watch of a silent loop (a fabric.grpc.aio call
+    # over fabric+tcp stalled for that long, one large call in ten).
+    if w.loop_polling and w.dirty != NULL and not w.closed:
+        ready = arm_all(w)
     # Also while the loop is not watching: a coroutine between its last check
     # and its next wait must still learn that something happened meanwhile.
-    if (w.loop_polling or w.loop_attached) and w.touched != NULL and w.notify_fd >= 0:
+    if w.touched != NULL or ready:
         write(w.notify_fd, &one, 8)
 
 cdef void drain_wake(worker_t* w) noexcept nogil:
