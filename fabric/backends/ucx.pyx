@@ -1288,6 +1288,24 @@ cdef void ucx_close(fab_channel* fch) noexcept nogil:
     hub_unready(&d.hub, fch)
     if (ch.key & 0xFFFFFFFFU) < d.nchans and d.chans[ch.key & 0xFFFFFFFFU] == ch:
         d.chans[ch.key & 0xFFFFFFFFU] = NULL
+    for i in range(ch.nhanded):
+        release_data(ch, &ch.handed[i])
+    ch.nhanded = 0
+    while ch.large != NULL:
+        lg = ch.large
+        ch.large = lg.next
+        if lg.desc != NULL:
+            if lg.is_data == 2:
+                free(lg.desc)
+            elif lg.is_data:
+                ucp_am_data_release(ch.wk.worker, lg.desc)
+            # A rendezvous descriptor nobody fetched is not released: that
+            # sends the sender its acknowledgement, and with the sender's
+            # endpoint closing too (both ends in one process at exit) UCX
+            # wrote it through a torn-down lane (SIGSEGV in
+            # ucp_am_rndv_send_ats). The sender's request fails with the
+            # connection instead; the worker reclaims the descriptor.
+        free(lg)
     close_endpoint(ch)
     # Cancelled requests of a live peer complete within a few progress
     # rounds; a peer that is gone may never let them: do not wait for it.
@@ -1295,23 +1313,11 @@ cdef void ucx_close(fab_channel* fch) noexcept nogil:
         deadline = monotonic_now() + CLOSE_GRACE
         while (ch.reqs != NULL or close_pending(ch)) and monotonic_now() < deadline:
             ucp_worker_progress(ch.wk.worker)
-    for i in range(ch.nhanded):
-        release_data(ch, &ch.handed[i])
-    ch.nhanded = 0
     while ch.mrs != NULL:
         node = ch.mrs
         ch.mrs = node.next
         ucp_mem_unmap(d.context, <ucp_mem_h>node.handle)
         free(node)
-    while ch.large != NULL:
-        lg = ch.large
-        ch.large = lg.next
-        if lg.desc != NULL:
-            if lg.is_data == 2:
-                free(lg.desc)
-            else:
-                ucp_am_data_release(ch.wk.worker, lg.desc)
-        free(lg)
     boot_close(&ch.boot, fch)
     probe_after_end(ch)
     ch.released = 1
