@@ -79,7 +79,7 @@ extensions = [
     ext("fabric.backends.auth", include_dirs=["fabric/backends"]),   # test hooks of the authentication crypto
     ext("fabric.backends.tcp"),
     ext("fabric.protocol.frame"),
-    ext("fabric.protocol.engine", include_dirs=["fabric/backends"]),   # hmac_sha256.h (authentication)
+    ext("fabric.protocol.engine", include_dirs=["fabric/backends", "fabric/protocol/core"]),   # hmac_sha256.h, ready_memory.h
     ext("fabric._buffers"),
     # fabric.grpc's HTTP/2 core: HPACK and the connection state machine
     ext("fabric.grpc._hpack"),

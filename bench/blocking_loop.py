@@ -7,8 +7,11 @@ window of `isend`s (4 in flight). Receiver (its own process), one per
 contender: `recv_into(buf)` into one preallocated buffer, a fresh
 `numpy.empty` per message then `recv_into` (the page-fault case), or
 `recv()` taking a buffer the receiver returns to fabric when done
-(fabric's recycled buffers). The sender times from the first send to the
-receiver's 1-byte acknowledgement of the last message. Rounds interleave
+(fabric's recycled buffers). A receiver named MODE@DIR runs from the source
+tree DIR (a worktree of another commit: before/after in one run). The sender
+times from the first send to the receiver's acknowledgement of the last
+message, which carries the receiver's minor page faults in that run (faults
+per message are printed with the rates). Rounds interleave
 the contenders; medians; ratios against the windowed loop of the same run.
 """
 from __future__ import annotations
@@ -22,7 +25,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+# (a receiver started for another tree imports fabric from there)
+sys.path.insert(0, os.environ.get("FABRIC_BENCH_TREE") or os.path.dirname(HERE))
 
 RECEIVERS = ("into", "numpy", "recv")
 BUDGET = 512 << 20          # bytes per measurement
@@ -51,6 +55,7 @@ def receiver(backend, mode):
     print(lst.address, flush=True)
     ep = lst.accept(timeout=60)
     buf = None
+    import resource
     while True:
         head = ep.recv(timeout=600)
         if len(head) == 0:
@@ -58,6 +63,7 @@ def receiver(backend, mode):
         size, count = int.from_bytes(head[:8], "little"), int.from_bytes(head[8:16], "little")
         if buf is None or len(buf) < size:
             buf = np.empty(size, np.uint8)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         for _ in range(count):
             if mode == "into":
                 ep.recv_into(buf, timeout=600)
@@ -68,15 +74,18 @@ def receiver(backend, mode):
                 msg = ep.recv(timeout=600)
                 np.frombuffer(msg, np.uint8)[:1].sum()     # touch it, as a user would
                 del msg                                   # its memory goes back to fabric
-        ep.send(b"k")
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        ep.send(faults.to_bytes(8, "little"))
     ep.close()
     fab.close()
 
 
-def start_receiver(backend, mode):
+def start_receiver(backend, spec):
+    mode, _, tree = spec.partition("@")
+    tree = os.path.abspath(tree) if tree else os.path.dirname(HERE)
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", backend, mode],
-                            stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=os.path.dirname(HERE)))
+                            stdout=subprocess.PIPE, text=True, cwd=tree,
+                            env=dict(os.environ, PYTHONPATH=tree, FABRIC_BENCH_TREE=tree))
     address = proc.stdout.readline().strip()
     if not address:
         raise RuntimeError(f"receiver {backend}/{mode} did not start")
@@ -97,8 +106,8 @@ def one_run(ep, payload, count, window):
                 pending.pop(0).wait(timeout=600)
         for r in pending:
             r.wait(timeout=600)
-    ep.recv(timeout=600)
-    return len(payload) * count / (time.perf_counter() - t0) / 1e6
+    faults = int.from_bytes(ep.recv(timeout=600)[:8], "little")
+    return len(payload) * count / (time.perf_counter() - t0) / 1e6, faults / count
 
 
 def main(argv=None):
@@ -128,18 +137,23 @@ def main(argv=None):
             for size in sizes:
                 payload = np.random.default_rng(1).integers(0, 255, size, dtype=np.uint8)
                 count = max(4, min(2000, BUDGET // size))
-                samples = {}
+                samples, faults = {}, {}
                 for _ in range(args.rounds):
                     for mode in modes:
                         ep = peers[mode][1]
                         one_run(ep, payload, min(count, 8), 1)            # warm-up
                         for name, window in (("windowed", 4), ("blocking", 1)):
-                            samples.setdefault((mode, name), []).append(one_run(ep, payload, count, window))
+                            rate, per_message = one_run(ep, payload, count, window)
+                            samples.setdefault((mode, name), []).append(rate)
+                            faults.setdefault(mode, []).append(per_message)
                 row = {f"{mode}/{name}": statistics.median(v) for (mode, name), v in samples.items()}
+                row.update({f"{mode} faults/msg": statistics.median(v) for mode, v in faults.items()})
                 results[f"{backend} {human(size)}"] = row
                 base = row["into/windowed"] if "into/windowed" in row else next(iter(row.values()))
-                cells = "  ".join(f"{k} {v:8.0f} ({v / base:.2f}x)" for k, v in row.items())
+                cells = "  ".join(f"{k} {v:8.0f} ({v / base:.2f}x)" for k, v in row.items() if "faults" not in k)
                 print(f"{backend:4} {human(size):>4}  {cells}", flush=True)
+                print("          faults per message: " + "  ".join(
+                    f"{mode} {statistics.median(v):.0f}" for mode, v in faults.items()), flush=True)
         finally:
             for mode, (proc, ep) in peers.items():
                 try:

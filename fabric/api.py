@@ -143,6 +143,17 @@ class Fabric:
         each peer's credits carry)."""
         return self._worker.buffered_bytes
 
+    @property
+    def receive_memory(self) -> dict[str, Any]:
+        """Counters of the memory large received messages land in (shared by
+        every Fabric of the process): free blocks kept (`blocks`, `bytes`,
+        within `limit`, FABRIC_RECV_CACHE), blocks `in_use` by messages,
+        blocks `reused` rather than faulted in anew, huge-page blocks `mapped`
+        and `unmapped`, and whether the kernel refused huge pages or
+        populating (`huge_refused`, `populate_failed`)."""
+        from fabric.protocol import engine
+        return engine.recv_pool_stats()
+
     def __enter__(self) -> Self:
         return self
 

@@ -14,8 +14,9 @@ large frame as a fabric message of its own, in order::
     b"FDK1" | u32 frame count | u64 length per frame | small frames' bytes
 
 A length with the top bit set is a frame that follows as its own message
-(received by ``recv_into`` straight into a fresh writable ``host_array``, so
-numpy arrays deserialize without a copy; sent from the frame's own memory,
+(received by ``recv_into`` straight into a fresh writable buffer from fabric's
+receive memory, huge pages already faulted in (``fabric.empty``), so numpy
+arrays deserialize without a copy and without page faults; sent from the frame's own memory,
 so a large frame moves zero-copy by the engine's rendezvous, in one piece
 whatever its size). Small frames are writable slices of the first message.
 
@@ -38,12 +39,12 @@ from distributed.comm.addressing import parse_host_port, unparse_host_port
 from distributed.comm.core import BaseListener, Comm, CommClosedError, Connector
 from distributed.comm.registry import Backend
 from distributed.comm.utils import ensure_concrete_host, from_frames, to_frames
-from distributed.protocol.utils import host_array
 from distributed.system import MEMORY_LIMIT
 from distributed.utils import ensure_ip, ensure_memoryview, get_ip, get_ipv6
 
 import fabric
 from fabric.errors import AddressError, FabricError
+from fabric.protocol.engine import new_message as empty
 
 logger = logging.getLogger("fabric.dask")
 
@@ -233,7 +234,7 @@ class FabricComm(Comm):
             except ValueError as e:
                 raise _Refused(str(e)) from None
             for index, length in later:
-                buf = host_array(length)
+                buf = memoryview(empty(length))
                 got = await self._ep.arecv_into(buf)
                 if got != length:
                     raise _Refused(f"frame {index} has {got} bytes, announced {length}")

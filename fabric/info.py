@@ -376,6 +376,26 @@ def gather_grpc() -> dict:
     return out
 
 
+def gather_memory() -> dict:
+    """Received-message memory: its bound, what is kept, the kernel's huge pages."""
+    from fabric.protocol import engine
+    stats = engine.recv_pool_stats()
+    stats["limit_from"] = "env FABRIC_RECV_CACHE" if os.environ.get("FABRIC_RECV_CACHE") else \
+        "default (an eighth of physical memory, 128 MiB to 1 GiB)"
+    return stats
+
+
+def format_memory(m: dict) -> list[str]:
+    thp = m["transparent_huge_pages"]
+    huge = {"always": "used", "madvise": "used (fabric asks with MADV_HUGEPAGE)",
+            "never": "off in this kernel: 4 KiB pages"}.get(thp, "unavailable: 4 KiB pages")
+    return ["", "receive memory (messages of 1 MiB or more: huge-page blocks, faulted in once, reused)",
+            f"  keeps at most {human_size(m['limit'])} of free blocks ({m['limit_from']})",
+            f"  transparent huge pages: {thp}: {huge}",
+            f"  now: {m['blocks']} free blocks ({human_size(m['bytes'])}), "
+            f"{m['in_use_blocks']} in use ({human_size(m['in_use_bytes'])})"]
+
+
 # ------------------------------------------------------------------- report
 
 def gather(backend: str | None = None, overrides: dict | None = None, sysfs: str = SYSFS_IB) -> dict:
@@ -389,6 +409,7 @@ def gather(backend: str | None = None, overrides: dict | None = None, sysfs: str
     data["rdma"] = gather_rdma(sysfs)
     data["knobs"] = gather_knobs(backend, overrides)
     data["grpc"] = gather_grpc()
+    data["memory"] = gather_memory()
     return data
 
 
@@ -467,6 +488,9 @@ def format_text(data: dict) -> str:
     if g is not None:
         lines += ["", "grpc", f"  HTTP/2 core: {g['core']}",
                   f"  grpcio {g['grpcio']} (status codes, handler and call types)" if g["grpcio"] else f"  {g['error']}"]
+
+    if data.get("memory") is not None:
+        lines += format_memory(data["memory"])
 
     k = data["knobs"]
     p = k["profile"]

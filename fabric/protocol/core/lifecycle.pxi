@@ -247,8 +247,8 @@ cdef void ep_free(ep_t* ep) noexcept nogil:
     ep.w.inbuf_total -= ep.inbuf_bytes     # whatever is still charged (none, normally)
     ep.inbuf_bytes = 0
     if ep.posted.result != NULL:
-        free(ep.posted.result)
-    free(ep.stash_data)
+        msg_free(ep.posted.result)
+    msg_free(ep.stash_data)
     free(ep.hello_mr)
     free(ep)
 

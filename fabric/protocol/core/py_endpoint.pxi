@@ -51,7 +51,7 @@ cdef int take_stash(ep_t* ep, char* dst, size_t cap, recv_result* r) noexcept no
         return 1
     else:
         memcpy(dst, ep.stash_data, ep.stash_len)
-        free(ep.stash_data)
+        msg_free(ep.stash_data)
     ep.stash_data = NULL
     ep.has_stash = 0
     return 1
@@ -63,7 +63,7 @@ cdef void stash_result(ep_t* ep, char* dst, recv_result* r) noexcept nogil:
     cdef char* copy
     if r.err:
         if r.data != NULL:
-            free(r.data)
+            msg_free(r.data)
         return
     if dst == NULL:
         copy = r.data
@@ -128,7 +128,7 @@ cdef int unpost(ep_t* ep) noexcept nogil:
                 if m.received < m.total:
                     issue_reads(ep, m)
     if p.result != NULL:
-        free(p.result)
+        msg_free(p.result)
     memset(p, 0, sizeof(posted_t))
     return 0
 

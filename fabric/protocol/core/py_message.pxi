@@ -83,6 +83,21 @@ cdef Message make_message(char* data, size_t length):
     return m
 
 
+def new_message(Py_ssize_t n):
+    """A writable Message of n bytes from received-message memory (huge pages
+    already faulted in when large): a buffer to receive into when the size is
+    known ahead, such as the Dask comm's frames. Its content is undefined until
+    written, like numpy.empty's."""
+    cdef char* data
+    if n < 0:
+        raise ValueError("size must be >= 0")
+    with nogil:
+        data = msg_alloc(<size_t>n)
+    if data == NULL:
+        raise MemoryError()
+    return make_message(data, <size_t>n)
+
+
 cdef sendop_t* op_from(object obj) except NULL:
     """A send operation referencing obj's buffers (no copy): one buffer, or a
     list/tuple of buffers forming one message."""
