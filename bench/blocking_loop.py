@@ -7,7 +7,9 @@ window of `isend`s (4 in flight). Receiver (its own process), one per
 contender: `recv_into(buf)` into one preallocated buffer, a fresh
 `numpy.empty` per message then `recv_into` (the page-fault case), or
 `recv()` taking a buffer the receiver returns to fabric when done
-(fabric's recycled buffers). A receiver named MODE@DIR runs from the source
+(fabric's recycled buffers), or `socket`: no fabric at all, a plain TCP
+socket, `sendall` answered by a `recv_into` loop into one preallocated buffer
+(the baseline a tcp fabric must beat). A receiver named MODE@DIR runs from the source
 tree DIR (a worktree of another commit: before/after in one run). The sender
 times from the first send to the receiver's acknowledgement of the last
 message, which carries the receiver's minor page faults in that run (faults
@@ -28,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # (a receiver started for another tree imports fabric from there)
 sys.path.insert(0, os.environ.get("FABRIC_BENCH_TREE") or os.path.dirname(HERE))
 
-RECEIVERS = ("into", "numpy", "recv")
+RECEIVERS = ("into", "numpy", "recv", "socket")
 BUDGET = 512 << 20          # bytes per measurement
 
 
@@ -45,9 +47,63 @@ def human(n):
     return str(n)
 
 
+class RawSocket:
+    """The socket contender, shaped like an endpoint for one_run()."""
+
+    def __init__(self, sock):
+        self.sock = sock
+
+    def send(self, data):
+        self.sock.sendall(data)
+
+    def recv(self, timeout=None):
+        return recv_exactly(self.sock, 8)
+
+    def close(self):
+        self.sock.close()
+
+
+def recv_exactly(sock, n, buf=None):
+    view = memoryview(buf if buf is not None else bytearray(n))[:n]
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise EOFError("peer closed")
+        got += k
+    return view
+
+
+def socket_receiver():
+    import resource
+    import socket
+    import numpy as np
+    lst = socket.create_server(("127.0.0.1", 0))
+    print(f"127.0.0.1:{lst.getsockname()[1]}", flush=True)
+    sock, _ = lst.accept()
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = None
+    while True:
+        try:
+            head = bytes(recv_exactly(sock, 16))
+        except EOFError:
+            break
+        size, count = int.from_bytes(head[:8], "little"), int.from_bytes(head[8:16], "little")
+        if buf is None or len(buf) < size:
+            buf = np.empty(size, np.uint8)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(count):
+            recv_exactly(sock, size, buf)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        sock.sendall(faults.to_bytes(8, "little"))
+    sock.close()
+
+
 def receiver(backend, mode):
     """Serve: for each (size, count) announced by an 8-byte header message,
     receive count messages the chosen way, then acknowledge."""
+    if mode == "socket":
+        return socket_receiver()
     import numpy as np
     import fabric
     fab = fabric.Fabric(backend)
@@ -95,7 +151,7 @@ def start_receiver(backend, spec):
 def one_run(ep, payload, count, window):
     ep.send(len(payload).to_bytes(8, "little") + count.to_bytes(8, "little"))
     t0 = time.perf_counter()
-    if window <= 1:
+    if window <= 1 or isinstance(ep, RawSocket):
         for _ in range(count):
             ep.send(payload)
     else:
@@ -131,15 +187,24 @@ def main(argv=None):
         fab = fabric.Fabric(backend)
         peers = {}
         for mode in modes:
+            if mode == "socket" and backend != "tcp":
+                continue
             proc, address = start_receiver(backend, mode)
-            peers[mode] = (proc, fab.connect(address, timeout=60))
+            if mode == "socket":
+                import socket
+                host, port = address.rsplit(":", 1)
+                sock = socket.create_connection((host, int(port)))
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                peers[mode] = (proc, RawSocket(sock))
+            else:
+                peers[mode] = (proc, fab.connect(address, timeout=60))
         try:
             for size in sizes:
                 payload = np.random.default_rng(1).integers(0, 255, size, dtype=np.uint8)
                 count = max(4, min(2000, BUDGET // size))
                 samples, faults = {}, {}
                 for _ in range(args.rounds):
-                    for mode in modes:
+                    for mode in peers:
                         ep = peers[mode][1]
                         one_run(ep, payload, min(count, 8), 1)            # warm-up
                         for name, window in (("windowed", 4), ("blocking", 1)):
@@ -152,12 +217,17 @@ def main(argv=None):
                 base = row["into/windowed"] if "into/windowed" in row else next(iter(row.values()))
                 cells = "  ".join(f"{k} {v:8.0f} ({v / base:.2f}x)" for k, v in row.items() if "faults" not in k)
                 print(f"{backend:4} {human(size):>4}  {cells}", flush=True)
+                if "socket/blocking" in row:
+                    print("          against the raw socket loop: " + "  ".join(
+                        f"{k} {v / row['socket/blocking']:.2f}x" for k, v in row.items()
+                        if k.endswith("/blocking") and not k.startswith("socket")), flush=True)
                 print("          faults per message: " + "  ".join(
                     f"{mode} {statistics.median(v):.0f}" for mode, v in faults.items()), flush=True)
         finally:
             for mode, (proc, ep) in peers.items():
                 try:
-                    ep.send(b"")
+                    if not isinstance(ep, RawSocket):
+                        ep.send(b"")
                     ep.close()
                 except fabric.FabricError:
                     pass

@@ -255,3 +255,86 @@ def test_a_peer_ignoring_flow_control_is_cut_off(served):
     assert got <= small_options()["credits"]
     raw.close()
     assert_listener_works(fab, lst, accepted)
+
+
+@pytest.mark.timeout(60)
+def test_a_rendezvous_send_completes_at_its_last_byte_written_not_at_the_acknowledgement(served):
+    """tcp serves the peer's reads itself (FAB_CAP_READS_SERVED): a send is
+    complete once every byte of it was written, as sendall would be, without
+    the peer's CHUNK_DONE; not one byte earlier; and from then on nothing of
+    that memory can be read again (the application may reuse it)."""
+    fab, lst, accepted = served
+    raw, ep = raw_peer_and_its_endpoint(lst, accepted)
+    payload = os.urandom(40_000)                   # three chunks of 16 KiB at most
+    req = ep.isend(payload)
+    chunks = {}
+    while len(chunks) < 3:
+        kind, _, body = raw.read_wire()
+        assert kind == MSG
+        chunks.update((f["aux"], f) for f in frame.decode(body) if f["type"] == "RNDV")
+    ident = 0
+
+    def read(chunk, offset, n):
+        nonlocal ident
+        ident += 1
+        raw.sock.sendall(wire(READ_REQ, struct.pack("<QQ", chunk["raddr"] + offset, n) + chunk["rkey"],
+                              ident=ident))
+        while True:
+            kind, got, body = raw.read_wire()
+            if kind in (READ_RESP, READ_ERR) and got == ident:
+                return kind, body
+
+    got = b""
+    for index in range(3):
+        c = chunks[index]
+        half = c["length"] // 2
+        got += read(c, 0, half)[1]
+        if index == 2:
+            with pytest.raises(fabric.Timeout):  # one half of the last chunk is still unwritten
+                req.wait(timeout=0.5)
+        got += read(c, half, c["length"] - half)[1]
+    assert got == payload
+    req.wait(timeout=10)                          # no CHUNK_DONE was sent
+    assert ep.stats()["rendezvous_done_early"] == 1
+    for index in range(3):                        # every chunk's key is dead now
+        assert read(chunks[index], 0, 16)[0] == READ_ERR
+    for index in range(3):                        # the acknowledgements, late, are still in order
+        raw.sock.sendall(wire(MSG, frame.encode_header(frame.TYPES["CHUNK_DONE"], 0, 0,
+                                                       chunks[index]["msg_id"], index, 0)))
+    ep.send(b"after")
+    seen = b""
+    while b"after" not in seen:
+        kind, _, body = raw.read_wire()
+        seen += body
+    raw.close()
+    assert_listener_works(fab, lst, accepted)
+
+
+@pytest.mark.timeout(60)
+def test_a_slot_registered_again_never_reuses_a_key(served):
+    """Chunk after chunk through the same registration slot: each gets a key
+    of its own, and the previous key reads nothing (a key once repeated for
+    every other registration of a slot)."""
+    fab, lst, accepted = served
+    raw, ep = raw_peer_and_its_endpoint(lst, accepted)
+    keys = []
+    for i in range(6):
+        req = ep.isend(bytes([i]) * 10_000)
+        chunk = None
+        while chunk is None:
+            kind, _, body = raw.read_wire()
+            chunk = next((f for f in frame.decode(body) if f["type"] == "RNDV"), None)
+        if keys:
+            raw.sock.sendall(wire(READ_REQ, struct.pack("<QQ", chunk["raddr"], 16) + keys[-1], ident=100 + i))
+            kind, ident, body = raw.read_wire()
+            assert (kind, ident) == (READ_ERR, 100 + i), "the previous chunk's key read the new chunk"
+        raw.sock.sendall(wire(READ_REQ, struct.pack("<QQ", chunk["raddr"], chunk["length"]) + chunk["rkey"],
+                              ident=i + 1))
+        kind, ident, body = raw.read_wire()
+        assert (kind, ident, body) == (READ_RESP, i + 1, bytes([i]) * 10_000)
+        req.wait(timeout=10)
+        raw.sock.sendall(wire(MSG, frame.encode_header(frame.TYPES["CHUNK_DONE"], 0, 0, chunk["msg_id"], 0, 0)))
+        keys.append(chunk["rkey"])
+    assert len(set(keys)) == len(keys)
+    raw.close()
+    assert_listener_works(fab, lst, accepted)

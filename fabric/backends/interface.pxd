@@ -52,6 +52,9 @@ cdef enum:
     FAB_CAP_LARGE_NATIVE_ONLY = 128  # every rendezvous goes by send_large/recv_large: this
                                      # channel's read() is emulated by the peer's library in a
                                      # way that cannot fail safely (UCX's software GET over tcp)
+    FAB_CAP_READS_SERVED = 256     # the peer's reads of our regions are served by this side's
+                                   # backend writing the bytes (the tcp fabric): it reports
+                                   # FAB_EV_SERVED once every byte of a region is written
 
 # Results of send() / read() / reg(); negative values are -errno and mean the
 # channel has failed (its error text says why).
@@ -65,6 +68,10 @@ cdef enum:
     FAB_EV_READ = 2                # a read finished; status 0 or -errno (ctx)
     FAB_EV_RECV = 3                # a fabric message arrived (data, length)
     FAB_EV_FAILED = 4              # the channel failed; status -errno, see error
+    FAB_EV_SERVED = 5              # (FAB_CAP_READS_SERVED) every byte of a region registered
+                                   # with remote=1 has been written toward the peer; ctx: the
+                                   # fab_mr* given to reg(). Reported once per registration and
+                                   # only while it is live; the engine may dereg it from then on
 
 cdef enum:
     FAB_MAX_RKEY = 256             # largest remote key any backend packs

@@ -19,6 +19,10 @@ checks the key and range against the regions registered *on this connection*
 and answers from the registered memory with one sendmsg (header + region, no
 copy); the reader receives the payload straight into the destination. A key is
 valid only on the connection it was registered on and only until dereg().
+Once every byte of a region has been written in answers, the owner's engine
+hears FAB_EV_SERVED (FAB_CAP_READS_SERVED) and completes the send then, at its
+last byte written, as sendall would, without waiting for the reader's
+CHUNK_DONE; it deregisters the region at that point.
 """
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport malloc, calloc, realloc, free
@@ -58,11 +62,12 @@ cdef enum:
     MAX_IOV = 64
     INLINE_IOV = 8
     DISCARD = 65536
+    NOTIFY_SERVED = 2
 
 cdef struct tcp_send:
     tcp_send* next
     uint64_t ctx
-    int notify                 # report FAB_EV_SEND with ctx when sent
+    int notify                 # report FAB_EV_SEND with ctx when sent (NOTIFY_SERVED: FAB_EV_SERVED)
     int answer                 # an answer to the peer's read request
     uint64_t region_key        # ... from this registered region (0: none, or copied out)
     char* owned                # ... its unsent bytes, copied when the region was deregistered
@@ -84,6 +89,8 @@ cdef struct tcp_region:
     uint64_t key               # 0: slot free
     char* addr
     size_t length
+    size_t served              # bytes of it written in answers to the peer's reads
+    uint64_t mr_ctx            # the engine's fab_mr* (FAB_EV_SERVED), 0 once reported or local-only
 
 cdef struct tcp_chan:
     fab_channel base
@@ -259,6 +266,9 @@ cdef int flush_sends(tcp_chan* c) noexcept nogil:
                 c.sq_tail = NULL
             if s.answer:
                 c.answers -= 1
+                if s.region_key != 0 and answer_served(c, s):
+                    fifo_push(&c.done_head, &c.done_tail, s)
+                    continue
             if s.notify:
                 fifo_push(&c.done_head, &c.done_tail, s)
             else:
@@ -277,6 +287,21 @@ cdef int flush_sends(tcp_chan* c) noexcept nogil:
         advance_iov(s, <size_t>r)
         c.base.activity += 1
     return 0
+
+
+cdef bint answer_served(tcp_chan* c, tcp_send* s) noexcept nogil:
+    """An answer from a live region was written: count its bytes; when the
+    whole region has gone, turn s into the region's FAB_EV_SERVED."""
+    cdef uint32_t slot = <uint32_t>(s.region_key & 0xFFFFFFFFUL)
+    cdef tcp_region* r
+    if slot >= c.nregions or c.regions[slot].key != s.region_key:
+        return 0
+    r = &c.regions[slot]
+    r.served += rd32(s.hdr + 4)      # the answer's length (its iov shrank as it went out)
+    if r.served < r.length or r.mr_ctx == 0:
+        return 0
+    s.notify = NOTIFY_SERVED
+    return 1
 
 
 cdef int tcp_send_msg(fab_channel* ch, iovec* iov, fab_mr** mrs, int iovcnt, uint64_t ctx) noexcept nogil:
@@ -350,10 +375,14 @@ cdef int tcp_reg(fab_channel* ch, void* addr, size_t length, fab_mr* mr, int rem
     slot = c.free_slots[c.nfree]
     c.key_gen += 1
     # The high half changes with every registration, so a key stays valid
-    # only until its region is deregistered, even if the slot is reused.
-    c.regions[slot].key = ((<uint64_t>(c.key_gen ^ c.key_salt) | 1) << 32) | slot
+    # only until its region is deregistered, even if the slot is reused. (It
+    # is odd, so never 0; an earlier `(gen ^ salt) | 1` gave two consecutive
+    # registrations of a slot the same key half of the time.)
+    c.regions[slot].key = ((<uint64_t>(((c.key_gen << 1) | 1) ^ (c.key_salt & ~1U))) << 32) | slot
     c.regions[slot].addr = <char*>addr
     c.regions[slot].length = length
+    c.regions[slot].served = 0
+    c.regions[slot].mr_ctx = <uint64_t><size_t>mr if remote else 0
     mr.handle = <void*><size_t>slot
     ch.live_regions += 1
     mr.addr = <uint64_t><size_t>addr
@@ -529,6 +558,19 @@ cdef int emit(fab_completion* out, int n, int kind, int status, uint64_t ctx,
     return n + 1
 
 
+cdef int emit_served(tcp_chan* c, tcp_send* s, fab_completion* out, int n) noexcept nogil:
+    """FAB_EV_SERVED for the region s answered from, if that registration is
+    still live and was not reported yet (a region deregistered and its slot
+    reused meanwhile has another key: nothing is reported for it)."""
+    cdef uint32_t slot = <uint32_t>(s.region_key & 0xFFFFFFFFUL)
+    cdef uint64_t ctx
+    if slot >= c.nregions or c.regions[slot].key != s.region_key or c.regions[slot].mr_ctx == 0:
+        return n
+    ctx = c.regions[slot].mr_ctx
+    c.regions[slot].mr_ctx = 0
+    return emit(out, n, FAB_EV_SERVED, 0, ctx, NULL, 0)
+
+
 cdef int recv_payload(tcp_chan* c, fab_completion* out, int n) noexcept nogil:
     """Continue receiving the current READ_RESP payload straight into its
     destination. Returns the new event count, or -1 if the socket is empty."""
@@ -583,7 +625,10 @@ cdef int tcp_poll(fab_channel* ch, fab_completion* out, int max_events) noexcept
         c.done_head = s.next
         if c.done_head == NULL:
             c.done_tail = NULL
-        n = emit(out, n, FAB_EV_SEND, 0, s.ctx, NULL, 0)
+        if s.notify == NOTIFY_SERVED:
+            n = emit_served(c, s, out, n)
+        else:
+            n = emit(out, n, FAB_EV_SEND, 0, s.ctx, NULL, 0)
         free_send(s)
     if flush_sends(c) < 0:
         return emit(out, n, FAB_EV_FAILED, -ch.failed, 0, NULL, 0) if n < max_events else n
@@ -747,7 +792,8 @@ cdef fab_channel* new_channel(int fd, size_t max_recv) noexcept nogil:
         return NULL
     c.base.ops = &TCP_OPS
     c.base.fd = fd
-    c.base.caps = FAB_CAP_SEND_ANY_MEMORY | FAB_CAP_READ_ANY_MEMORY | FAB_CAP_SEND_COPIES | FAB_CAP_ORDERED_CLOSE
+    c.base.caps = (FAB_CAP_SEND_ANY_MEMORY | FAB_CAP_READ_ANY_MEMORY | FAB_CAP_SEND_COPIES
+                   | FAB_CAP_ORDERED_CLOSE | FAB_CAP_READS_SERVED)
     c.base.max_recv = max_recv
     c.base.send_depth = 1
     c.rcap = max_recv + HDR + 4096
@@ -845,7 +891,8 @@ cdef class TcpBackend(Backend):
 
     def __init__(self):
         self.name = "tcp"
-        self.caps = FAB_CAP_SEND_ANY_MEMORY | FAB_CAP_READ_ANY_MEMORY | FAB_CAP_SEND_COPIES | FAB_CAP_ORDERED_CLOSE
+        self.caps = (FAB_CAP_SEND_ANY_MEMORY | FAB_CAP_READ_ANY_MEMORY | FAB_CAP_SEND_COPIES
+                     | FAB_CAP_ORDERED_CLOSE | FAB_CAP_READS_SERVED)
 
     def default_options(self):
         # Over TCP a rendezvous costs one extra round trip and saves one copy at

@@ -70,6 +70,9 @@ cdef struct sendop_t:
     size_t msg_off
     fab_mr* window              # chunks_in_flight registrations, slot = index % window
     uint32_t* window_index      # chunk index held by each slot, or UINT32_MAX
+    uint8_t* window_served      # 1: the slot's chunk was all written (FAB_EV_SERVED), its region gone
+    uint32_t released           # chunks served or acknowledged, whichever came first
+    int user_done               # completed for the application before every CHUNK_DONE came
     sendop_t* reap_next
 
 cdef struct desc_t:
@@ -189,6 +192,8 @@ cdef struct ep_t:
     uint64_t sent_eager_zero_copy
     uint64_t sent_rndv
     uint64_t chunks_announced
+    uint64_t chunks_served          # chunks whose every byte the fabric reported written (tcp)
+    uint64_t rndv_done_early        # rendezvous sends completed at their last byte, before CHUNK_DONE
     uint64_t chunks_native
     uint64_t fabric_sends
     uint64_t frames_sent

@@ -65,6 +65,8 @@ cdef void progress_ep_own(ep_t* ep) noexcept nogil:
                         ep.pending_sends -= 1
                 elif ev[i].kind == FAB_EV_READ:
                     on_read_done(ep, <desc_t*><size_t>(ev[i].ctx & ~<uint64_t>TAG_MASK), ev[i].status)
+                elif ev[i].kind == FAB_EV_SERVED:
+                    on_chunk_served(ep, <fab_mr*><size_t>ev[i].ctx)
                 elif ev[i].kind == FAB_EV_FAILED:
                     ep_channel_failed(ep)
             if ep.state == EP_OPEN:

@@ -392,11 +392,16 @@ cdef int on_chunk_done(ep_t* ep, frame_t* f) noexcept nogil:
     if f.aux >= op.announced or op.window_index[slot] != f.aux:
         ep_fail(ep, EPROTO, "peer acknowledged a chunk that is not in flight")
         return -1
-    if not op.native:
+    if op.native:
+        op.released += 1
+    elif op.window_served[slot]:
+        op.window_served[slot] = 0                # written in full: released then
+    else:
         if ep.w.opts.fault == FAULT_STALE_KEY and not ep.fault_has_stale:
             ep.fault_stale = op.window[slot]     # (a copy: its fields stay, the region goes)
             ep.fault_has_stale = 1
         ep.ch.ops.dereg(ep.ch, &op.window[slot])
+        op.released += 1
     op.window_index[slot] = NO_CHUNK
     op.acked += 1
     if f.flags & DONE_FAILED:
@@ -404,6 +409,7 @@ cdef int on_chunk_done(ep_t* ep, frame_t* f) noexcept nogil:
     if op.acked == op.nchunks:
         rndv_try_finish(ep, op)
         return 0
+    rndv_maybe_done_early(ep, op)
     if announce_more(ep, op) < 0:
         return -1
     return 0

@@ -16,12 +16,15 @@ cdef void reap_push(worker_t* w, sendop_t* op) noexcept nogil:
 cdef void op_free(sendop_t* op) noexcept nogil:
     free(op.window)
     free(op.window_index)
+    free(op.window_served)
     free(op)
 
 cdef void op_finish(ep_t* ep, sendop_t* op, int err) noexcept nogil:
-    """The engine is done with op: final state, drop the engine's reference."""
-    op.state = OP_FAILED if err else OP_DONE
-    op.err = err
+    """The engine is done with op: final state, drop the engine's reference.
+    (An op the application already saw complete keeps its state.)"""
+    if not op.user_done:
+        op.state = OP_FAILED if err else OP_DONE
+        op.err = err
     op.refs -= 1
     if op.refs == 0:
         if op.nviews:
@@ -208,6 +211,43 @@ cdef int native_send_first(ep_t* ep, sendop_t* op) noexcept nogil:
     op.native_pending -= 1
     return native_send(ep, op, ptr, op.native_first_len, 0)
 
+cdef void rndv_maybe_done_early(ep_t* ep, sendop_t* op) noexcept nogil:
+    """Every byte of a rendezvous send was written (FAB_CAP_READS_SERVED) or
+    acknowledged: the application's buffer is free, so the send completes now,
+    as a socket's sendall does; the op stays in rndv_out (a reference of its
+    own) until the peer's last CHUNK_DONE, which keeps the window's order."""
+    if op.user_done or op.released != op.nchunks or op.native_pending > 0 or op.acked == op.nchunks:
+        return
+    op.refs += 1
+    op_finish(ep, op, EACCES_ if op.any_failed else 0)
+    op.user_done = 1
+    ep.rndv_done_early += 1
+
+cdef void on_chunk_served(ep_t* ep, fab_mr* mr) noexcept nogil:
+    """FAB_EV_SERVED: the chunk registered as mr was all written toward the
+    peer. Its region goes at once (no later read can see what the application
+    puts in that memory after its send completed)."""
+    cdef sendop_t* op = ep.rndv_out
+    cdef uint32_t w = ep.w.opts.chunks_in_flight
+    cdef size_t slot
+    while op != NULL:
+        if not op.native and op.window != NULL and mr >= op.window and mr < op.window + w:
+            break
+        op = op.next
+    if op == NULL:
+        return
+    slot = <size_t>(mr - op.window)
+    if op.window_index[slot] == NO_CHUNK or op.window_served[slot]:
+        return
+    if ep.w.opts.fault == FAULT_STALE_KEY and not ep.fault_has_stale:
+        ep.fault_stale = op.window[slot]     # (a copy: its fields stay, the region goes)
+        ep.fault_has_stale = 1
+    ep.ch.ops.dereg(ep.ch, mr)
+    op.window_served[slot] = 1
+    op.released += 1
+    ep.chunks_served += 1
+    rndv_maybe_done_early(ep, op)
+
 cdef void rndv_try_finish(ep_t* ep, sendop_t* op) noexcept nogil:
     """A rendezvous send is done when every chunk was acknowledged and the
     fabric released every native chunk send."""
@@ -300,7 +340,8 @@ cdef int start_rndv(ep_t* ep, sendop_t* op) noexcept nogil:
     if op.window == NULL:
         op.window = <fab_mr*>calloc(w, sizeof(fab_mr))
         op.window_index = <uint32_t*>malloc(w * sizeof(uint32_t))
-        if op.window == NULL or op.window_index == NULL:
+        op.window_served = <uint8_t*>calloc(w, 1)
+        if op.window == NULL or op.window_index == NULL or op.window_served == NULL:
             ep_fail(ep, ENOMEM, "out of memory")
             return -1
         for i in range(w):
