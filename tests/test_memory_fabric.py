@@ -56,14 +56,14 @@ class Direction:
 
     def __init__(self):
         self.sent = []            # payloads, in order
-        self.reqs = []            # (index, Request)
+        self.reqs = []            # (index, Request, several chunks, the buffers sent)
         self.next = 0             # index of the next message the receiver must see
         self.failed_msgs = set()  # indexes the receiver got an error for (read failures)
         self.conn_error = None    # the connection error the receiver's application saw
 
 
 class MemoryFabricMachine(RuleBasedStateMachine):
-    @initialize(caps=st.sets(st.sampled_from(["send_any", "read_any", "copies", "ordered_close"])),
+    @initialize(caps=st.sets(st.sampled_from(["send_any", "read_any", "copies", "ordered_close", "served"])),
                 send_depth=st.integers(1, 4), rkey_len=st.sampled_from([8, 24]),
                 coalesce=st.integers(0, 1), credits=st.sampled_from([4, 8]),
                 chunks=st.integers(1, 3), budget=st.sampled_from([1 << 30, 1 << 20, 6000]),
@@ -71,7 +71,8 @@ class MemoryFabricMachine(RuleBasedStateMachine):
     def setup(self, caps, send_depth, rkey_len, coalesce, credits, chunks, budget, pattern, faults, handshake):
         flags = memory.DEFAULT_CAPS & ~memory.CAP_ORDERED_CLOSE
         for name, flag in (("send_any", memory.CAP_SEND_ANY_MEMORY), ("read_any", memory.CAP_READ_ANY_MEMORY),
-                           ("copies", memory.CAP_SEND_COPIES), ("ordered_close", memory.CAP_ORDERED_CLOSE)):
+                           ("copies", memory.CAP_SEND_COPIES), ("ordered_close", memory.CAP_ORDERED_CLOSE),
+                           ("served", memory.CAP_READS_SERVED)):
             if name in caps:
                 flags |= flag
         self.pair = MemPair(flags, send_depth, rkey_len, coalesce=coalesce, credits=credits,
@@ -114,11 +115,13 @@ class MemoryFabricMachine(RuleBasedStateMachine):
     def poll_requests(self):
         for side, d in enumerate(self.dirs):
             still = []
-            for index, req, _ in d.reqs:
+            for index, req, multi, bufs in d.reqs:
                 if req.done():
                     self.check_request(side, index, req)
+                    for b in bufs:              # the application reuses its memory at once:
+                        b[:] = b"\xee" * len(b)  # a read after completion would carry this
                 else:
-                    still.append((index, req, _))
+                    still.append((index, req, multi, bufs))
             d.reqs = still
 
     def take(self, side, result):
@@ -173,13 +176,13 @@ class MemoryFabricMachine(RuleBasedStateMachine):
         msg = payload(side, len(d.sent), size)
         if scatter > 1 and size >= scatter:
             cut = [size * k // scatter for k in range(scatter + 1)]
-            obj = [msg[cut[k]:cut[k + 1]] for k in range(scatter)]
+            obj = [bytearray(msg[cut[k]:cut[k + 1]]) for k in range(scatter)]
         else:
-            obj = [msg]
+            obj = [bytearray(msg)]
         multi = size > EAGER and sum(-(-len(seg) // CHUNK) for seg in obj) > 1
         req = self.pair.eps[side].isend(obj if len(obj) > 1 else obj[0])
         d.sent.append(msg)
-        d.reqs.append((len(d.sent) - 1, req, multi))
+        d.reqs.append((len(d.sent) - 1, req, multi, obj))
 
     @rule(side=st.integers(0, 1), sizes=st.lists(SIZES, min_size=2, max_size=6))
     def send_burst(self, side, sizes):

@@ -77,6 +77,7 @@ DEFAULT_CAPS = FAB_CAP_NATIVE_READ | FAB_CAP_ORDERED_CLOSE
 CAP_SEND_ANY_MEMORY = FAB_CAP_SEND_ANY_MEMORY
 CAP_READ_ANY_MEMORY = FAB_CAP_READ_ANY_MEMORY
 CAP_SEND_COPIES = FAB_CAP_SEND_COPIES
+CAP_READS_SERVED = FAB_CAP_READS_SERVED
 CAP_ORDERED_CLOSE = FAB_CAP_ORDERED_CLOSE
 
 
@@ -113,6 +114,8 @@ cdef struct mem_region:
     char* addr
     size_t length
     int remote                 # the peer may read it (reg's remote flag)
+    size_t served              # bytes the peer has read (FAB_CAP_READS_SERVED)
+    uint64_t mr_ctx            # the engine's fab_mr*, until FAB_EV_SERVED is reported
 
 
 cdef struct mem_side:
@@ -249,6 +252,21 @@ cdef int cq_push(mem_side* s, int kind, int status, uint64_t ctx, char* owned, s
     s.cq_tail = q
     signal_side(s)
     return 0
+
+
+cdef void drop_served(mem_side* s, uint64_t ctx) noexcept nogil:
+    """Take a FAB_EV_SERVED for ctx not yet polled out of the queue."""
+    cdef mem_cq** p = &s.cq_head
+    cdef mem_cq* q
+    s.cq_tail = NULL
+    while p[0] != NULL:
+        q = p[0]
+        if q.ev.kind == FAB_EV_SERVED and q.ev.ctx == ctx:
+            p[0] = q.next
+            free(q)
+            continue
+        s.cq_tail = q
+        p = &q.next
 
 
 cdef void cq_free_list(mem_cq* q) noexcept nogil:
@@ -419,6 +437,8 @@ cdef int mem_reg(fab_channel* ch, void* addr, size_t length, fab_mr* mr, int rem
     s.regions[slot - 1].addr = <char*>addr
     s.regions[slot - 1].length = length
     s.regions[slot - 1].remote = remote
+    s.regions[slot - 1].served = 0
+    s.regions[slot - 1].mr_ctx = <uint64_t><size_t>mr if remote else 0
     mr.handle = <void*><size_t>slot
     mr.addr = <uint64_t><size_t>addr
     mr.length = length
@@ -439,6 +459,8 @@ cdef void mem_dereg(fab_channel* ch, fab_mr* mr) noexcept nogil:
     if r == NULL or <size_t>mr.handle != (r - s.regions) + 1:
         violation(L, "dereg of a region that is not registered", <size_t>mr.handle, rd64(mr.rkey))
     else:
+        if r.mr_ctx == 0:
+            drop_served(s, <uint64_t><size_t>mr)   # reported only while the region lives
         r.key = 0
         ch.live_regions -= 1
     pthread_mutex_unlock(&L.lock)
@@ -896,6 +918,10 @@ cdef class MemoryLink:
         if it.length:
             memcpy(it.dst, <char*><size_t>it.raddr, it.length)
         cq_push(s, FAB_EV_READ, 0, it.ctx, NULL, it.length, 0, 0)
+        r.served += it.length
+        if (L.caps & FAB_CAP_READS_SERVED) and r.mr_ctx != 0 and r.served >= r.length:
+            cq_push(owner, FAB_EV_SERVED, 0, r.mr_ctx, NULL, 0, 0, 0)   # all of it went out
+            r.mr_ctx = 0
         item_free(L, it)
         return "read"
 
