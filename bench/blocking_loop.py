@@ -74,29 +74,26 @@ def recv_exactly(sock, n, buf=None):
     return view
 
 
+class SocketPeer(RawSocket):
+    """The socket receiver's side, shaped like an endpoint for serve()."""
+
+    def recv(self, timeout=None):
+        try:
+            return bytes(recv_exactly(self.sock, 16))
+        except EOFError:
+            return b""
+
+    def recv_into(self, buf, timeout=None):
+        return len(recv_exactly(self.sock, len(buf), buf))
+
+
 def socket_receiver():
-    import resource
     import socket
-    import numpy as np
     lst = socket.create_server(("127.0.0.1", 0))
     print(f"127.0.0.1:{lst.getsockname()[1]}", flush=True)
     sock, _ = lst.accept()
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    buf = None
-    while True:
-        try:
-            head = bytes(recv_exactly(sock, 16))
-        except EOFError:
-            break
-        size, count = int.from_bytes(head[:8], "little"), int.from_bytes(head[8:16], "little")
-        if buf is None or len(buf) < size:
-            buf = np.empty(size, np.uint8)
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        for _ in range(count):
-            recv_exactly(sock, size, buf)
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-        sock.sendall(faults.to_bytes(8, "little"))
-    sock.close()
+    serve(SocketPeer(sock), "into")
 
 
 def receiver(backend, mode):
@@ -104,14 +101,19 @@ def receiver(backend, mode):
     receive count messages the chosen way, then acknowledge."""
     if mode == "socket":
         return socket_receiver()
-    import numpy as np
     import fabric
     fab = fabric.Fabric(backend)
     lst = fab.listen()
     print(lst.address, flush=True)
     ep = lst.accept(timeout=60)
-    buf = None
+    serve(ep, mode)
+    fab.close()
+
+
+def serve(ep, mode):
     import resource
+    import numpy as np
+    buf = None
     while True:
         head = ep.recv(timeout=600)
         if len(head) == 0:
@@ -119,10 +121,11 @@ def receiver(backend, mode):
         size, count = int.from_bytes(head[:8], "little"), int.from_bytes(head[8:16], "little")
         if buf is None or len(buf) < size:
             buf = np.empty(size, np.uint8)
+        into = buf[:size]                 # (a view: the socket peer reads exactly its length)
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         for _ in range(count):
             if mode == "into":
-                ep.recv_into(buf, timeout=600)
+                ep.recv_into(into, timeout=600)
             elif mode == "numpy":
                 fresh = np.empty(size, np.uint8)
                 ep.recv_into(fresh, timeout=600)
@@ -133,7 +136,6 @@ def receiver(backend, mode):
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         ep.send(faults.to_bytes(8, "little"))
     ep.close()
-    fab.close()
 
 
 def start_receiver(backend, spec):
