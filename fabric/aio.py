@@ -277,6 +277,18 @@ async def recv(ep, buf=None, timeout=None):
                         return result
                     raise Timeout("no message arrived in time") from None
         except BaseException:
+            # The buffer may be posted to the peer (or a read into it be
+            # landing): wait, without blocking the loop, until nothing can
+            # write into it any more; the engine bounds this by
+            # handshake_timeout. A second cancellation does not cut it short.
+            while not ep._withdraw_step():
+                seen = ep._gen
+                try:
+                    await d.wait(ep, seen, d.loop.time() + 0.05)
+                except (Timeout, asyncio.CancelledError):
+                    pass
+                except ConnectionClosed:
+                    break
             ep._cancel_recv()
             raise
 

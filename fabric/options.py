@@ -20,6 +20,7 @@ variables and per-Fabric keyword arguments, in increasing order of precedence.
 | max_pending_handshakes | FABRIC_MAX_PENDING_HANDSHAKES | connections a listener authenticates and handshakes at once (at most a quarter of the descriptor limit); when full, the slowest pending one older than 0.5 s gives way to a new one |
 | max_connections   | FABRIC_MAX_CONNECTIONS      | connections one listener keeps open at once (from the preamble until closed or dead); more are turned away at once, and their connect() fails with ConnectionLost naming the limit |
 | close_linger      | FABRIC_CLOSE_LINGER         | seconds close() waits for queued sends to leave |
+| posted_receives   | FABRIC_POSTED_RECEIVES      | 1: a recv_into() waiting for a large message offers its buffer to the peer, which writes the message straight into it (tcp, verbs; one round trip less than pulling); 0: every large message is pulled |
 | native_min        | FABRIC_NATIVE_MIN           | messages of at least this size use the fabric's own rendezvous where it has one (ucx); 0: always the engine's |
 | progress_thread   | FABRIC_PROGRESS_THREAD      | 1: a background thread progresses sends, rendezvous and TCP read service while the application is away from fabric (it polls only then); 0: progress happens only inside fabric calls |
 | tcp_user_timeout_ms | FABRIC_TCP_USER_TIMEOUT_MS | tcp: unacknowledged data fails the connection after this long |
@@ -63,6 +64,7 @@ KNOBS = {
     "close_linger": ("float", 0, 1e6),
     "progress_thread": ("int", 0, 1),
     "native_min": ("size", 0, 1 << 62),
+    "posted_receives": ("int", 0, 1),
     "tcp_user_timeout_ms": ("int", 0, 1 << 31),
     "tcp_keepalive_s": ("int", 0, 1 << 15),
 }
@@ -88,6 +90,7 @@ HELP = {
     "max_connections": "connections a listener keeps open at once; more are turned away with a clear error",
     "close_linger": "seconds close() waits for queued sends to leave",
     "progress_thread": "1: a background thread progresses while the application is away; 0: only in calls",
+    "posted_receives": "1: recv_into() offers its buffer to the peer, which writes large messages into it; 0: always pull",
     "native_min": "messages of at least this size use the fabric's own rendezvous (ucx); 0: always the engine's",
     "tcp_user_timeout_ms": "tcp: unacknowledged data fails the connection after this many ms",
     "tcp_keepalive_s": "tcp: keepalive idle/interval seconds",
@@ -113,6 +116,7 @@ COMMON_DEFAULTS = {
     "close_linger": 5.0,
     "progress_thread": 1,
     "native_min": 0,
+    "posted_receives": 1,
     "tcp_user_timeout_ms": 30000,
     "tcp_keepalive_s": 10,
 }

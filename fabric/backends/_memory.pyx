@@ -23,11 +23,20 @@ calls deliver(id) or fail(id):
             delivery against the registrations the owner has then (a stale
             key or a range outside the region completes with -EACCES, like
             the tcp fabric's refused read).
+  write     (FAB_CAP_ORDERED_WRITE) a one-sided write into the peer's region
+            registered for it to write (a posted receive buffer). It goes
+            on the wire in order with the side's sends: its bytes are taken
+            from the engine's memory and placed in the peer's when it is
+            delivered, and it completes (FAB_EV_WRITE) then; writes of a
+            side complete in posting order. A stale key, a region the peer
+            may not write, or a range outside it fails the owner's channel
+            (as the tcp fabric does) and completes the write with -EACCES.
   eof       the peer's channel closed: this side's channel fails.
 
 What the contract (interface.pxd) promises is kept, and nothing more: sends
-of one side go on the wire in posting order and arrive in that order (only
-the oldest `send` and the oldest `arrive` of a direction are deliverable);
+(and writes) of one side go on the wire in posting order and arrive in that
+order (only the oldest `send`/`write` and the oldest `arrive` of a direction
+are deliverable);
 send completions and reads complete in any order; with FAB_CAP_ORDERED_CLOSE
 the eof travels in order behind the data, without it it may overtake it.
 
@@ -59,6 +68,7 @@ cdef enum:
     IT_SEND_DONE = 3
     IT_READ = 4
     IT_EOF = 5
+    IT_WRITE = 6
 
 cdef enum:
     EIO_ = 5
@@ -68,7 +78,7 @@ cdef enum:
     VIOLATION_TEXT = 200
 
 KIND_NAMES = {IT_SEND: "send", IT_ARRIVE: "arrive", IT_SEND_DONE: "send_done",
-              IT_READ: "read", IT_EOF: "eof"}
+              IT_READ: "read", IT_EOF: "eof", IT_WRITE: "write"}
 
 # The capabilities of a link unless the test asks for others: what a
 # verbs-like fabric has, minus native large transfers (send_large/recv_large
@@ -79,6 +89,7 @@ CAP_READ_ANY_MEMORY = FAB_CAP_READ_ANY_MEMORY
 CAP_SEND_COPIES = FAB_CAP_SEND_COPIES
 CAP_READS_SERVED = FAB_CAP_READS_SERVED
 CAP_ORDERED_CLOSE = FAB_CAP_ORDERED_CLOSE
+CAP_ORDERED_WRITE = FAB_CAP_ORDERED_WRITE
 
 
 cdef struct mem_item:
@@ -94,7 +105,7 @@ cdef struct mem_item:
     char* data                 # arrive: the bytes on the wire (owned)
     uint32_t credits           # credits its frames return (credit accounting)
     int counts                 # it takes one of the receiver's credits (not a HELLO)
-    char* dst                  # read
+    char* dst                  # read: the destination; write: the source (engine memory)
     uint64_t raddr
     uint8_t rkey[FAB_MAX_RKEY]
     uint32_t rkey_len
@@ -113,7 +124,7 @@ cdef struct mem_region:
     uint64_t key               # 0: slot free
     char* addr
     size_t length
-    int remote                 # the peer may read it (reg's remote flag)
+    int remote                 # reg's remote: FAB_REG_READ / FAB_REG_WRITE by the peer, or 0
     size_t served              # bytes the peer has read (FAB_CAP_READS_SERVED)
     uint64_t mr_ctx            # the engine's fab_mr*, until FAB_EV_SERVED is reported
 
@@ -168,7 +179,7 @@ MEM_OPS.send = mem_send
 MEM_OPS.reg = mem_reg
 MEM_OPS.dereg = mem_dereg
 MEM_OPS.read = mem_read
-MEM_OPS.write = NULL
+MEM_OPS.write = mem_write
 MEM_OPS.send_large = NULL
 MEM_OPS.recv_large = NULL
 MEM_OPS.cancel_read = mem_cancel_read
@@ -438,7 +449,7 @@ cdef int mem_reg(fab_channel* ch, void* addr, size_t length, fab_mr* mr, int rem
     s.regions[slot - 1].length = length
     s.regions[slot - 1].remote = remote
     s.regions[slot - 1].served = 0
-    s.regions[slot - 1].mr_ctx = <uint64_t><size_t>mr if remote else 0
+    s.regions[slot - 1].mr_ctx = <uint64_t><size_t>mr if remote == FAB_REG_READ else 0
     mr.handle = <void*><size_t>slot
     mr.addr = <uint64_t><size_t>addr
     mr.length = length
@@ -492,6 +503,40 @@ cdef int mem_read(fab_channel* ch, void* dst, fab_mr* dst_mr, size_t length, uin
             it.ctx = ctx
             it.rkey_len = rkey_len
             memcpy(it.rkey, rkey, rkey_len)
+    pthread_mutex_unlock(&L.lock)
+    return rc
+
+
+cdef int mem_write(fab_channel* ch, void* src, fab_mr* src_mr, size_t length, uint64_t raddr,
+                   uint8_t* rkey, uint32_t rkey_len, uint64_t ctx) noexcept nogil:
+    cdef mem_chan* c = <mem_chan*>ch
+    cdef mem_link* L = c.link
+    cdef mem_side* s = &L.sides[c.side]
+    cdef mem_item* it
+    cdef int rc = FAB_PENDING
+    pthread_mutex_lock(&L.lock)
+    if ch.failed:
+        rc = -ch.failed
+    elif not (L.caps & FAB_CAP_ORDERED_WRITE):
+        violation(L, "write on a link without FAB_CAP_ORDERED_WRITE", length, 0)
+        rc = -EINVAL
+    elif rkey_len != L.rkey_len:
+        rc = -EINVAL
+    else:
+        if not (L.caps & FAB_CAP_SEND_ANY_MEMORY) and length:
+            if src_mr == NULL or not covers(region_of(s, rd64(src_mr.rkey)), <char*>src, length):
+                violation(L, "write from memory not registered on the channel", <size_t>src, length)
+        it = item_new(L, IT_WRITE, c.side)
+        if it == NULL:
+            rc = fab_fail(ch, ENOMEM, "memory fabric")
+        else:
+            it.dst = <char*>src
+            it.length = length
+            it.raddr = raddr
+            it.ctx = ctx
+            it.rkey_len = rkey_len
+            memcpy(it.rkey, rkey, rkey_len)
+            ch.activity += 1
     pthread_mutex_unlock(&L.lock)
     return rc
 
@@ -763,9 +808,9 @@ cdef class MemoryLink:
 
     cdef bint _deliverable(self, mem_item* it):
         cdef mem_item* p = self.L.head
-        if it.kind == IT_SEND:
+        if it.kind == IT_SEND or it.kind == IT_WRITE:
             while p != it:
-                if p.kind == IT_SEND and p.side == it.side:
+                if (p.kind == IT_SEND or p.kind == IT_WRITE) and p.side == it.side:
                     return False
                 p = p.next
         elif it.kind == IT_ARRIVE or (it.kind == IT_EOF and it.ordered):
@@ -892,6 +937,8 @@ cdef class MemoryLink:
             item_free(L, it)
             fail_side(s, ECONNRESET, "memory fabric: peer closed the connection")
             return "eof"
+        if it.kind == IT_WRITE:
+            return self._perform_write(it, failing)
         # a read
         if s.ch.failed:
             item_free(L, it)
@@ -910,7 +957,7 @@ cdef class MemoryLink:
         r = region_of(owner, key)
         rkey_tail(expect, it.rkey_len, key)
         # a region registered for local use only (remote=0) is never readable
-        if (r == NULL or not r.remote or memcmp_(expect, it.rkey, it.rkey_len)
+        if (r == NULL or r.remote != FAB_REG_READ or memcmp_(expect, it.rkey, it.rkey_len)
                 or not covers(r, <char*><size_t>it.raddr, it.length)):
             cq_push(s, FAB_EV_READ, -EACCES_, it.ctx, NULL, 0, 0, 0)
             item_free(L, it)
@@ -924,6 +971,41 @@ cdef class MemoryLink:
             r.mr_ctx = 0
         item_free(L, it)
         return "read"
+
+    cdef str _perform_write(self, mem_item* it, int failing):
+        """Place a write's bytes in the owner's region, or refuse it."""
+        cdef mem_link* L = self.L
+        cdef mem_side* s = &L.sides[it.side]
+        cdef mem_side* owner = &L.sides[1 - it.side]
+        cdef mem_region* r
+        cdef uint64_t key
+        cdef uint8_t expect[FAB_MAX_RKEY]
+        if s.ch.failed:
+            item_free(L, it)
+            return "dropped"
+        if failing:
+            item_free(L, it)
+            fail_side(s, EIO_, "memory fabric: injected write failure")
+            return "failed"
+        if owner.closed or owner.ch == NULL:
+            item_free(L, it)
+            fail_side(s, ECONNRESET, "memory fabric: peer closed the connection during a write")
+            return "failed"
+        key = rd64(it.rkey)
+        r = region_of(owner, key)
+        rkey_tail(expect, it.rkey_len, key)
+        if (r == NULL or r.remote != FAB_REG_WRITE or memcmp_(expect, it.rkey, it.rkey_len)
+                or not covers(r, <char*><size_t>it.raddr, it.length)):
+            violation(L, "write outside the regions the peer registered for writing", it.raddr, it.length)
+            fail_side(owner, EPROTO, "peer wrote outside the buffers posted to it")
+            cq_push(s, FAB_EV_WRITE, -EACCES_, it.ctx, NULL, 0, 0, 0)
+            item_free(L, it)
+            return "refused"
+        if it.length:
+            memcpy(<char*><size_t>it.raddr, it.dst, it.length)
+        cq_push(s, FAB_EV_WRITE, 0, it.ctx, NULL, it.length, 0, 0)
+        item_free(L, it)
+        return "written"
 
     def fail_channel(self, int side, int err=ECONNRESET):
         """The connection breaks at `side` (its peer died): its channel fails

@@ -55,6 +55,9 @@ cdef enum:
     FAB_CAP_READS_SERVED = 256     # the peer's reads of our regions are served by this side's
                                    # backend writing the bytes (the tcp fabric): it reports
                                    # FAB_EV_SERVED once every byte of a region is written
+    FAB_CAP_ORDERED_WRITE = 512    # write() exists, and a send posted after a write reaches the
+                                   # peer only once the write's bytes are in place (one stream,
+                                   # an RC queue pair): the engine's receiver-posted buffers
 
 # Results of send() / read() / reg(); negative values are -errno and mean the
 # channel has failed (its error text says why).
@@ -68,10 +71,18 @@ cdef enum:
     FAB_EV_READ = 2                # a read finished; status 0 or -errno (ctx)
     FAB_EV_RECV = 3                # a fabric message arrived (data, length)
     FAB_EV_FAILED = 4              # the channel failed; status -errno, see error
+    FAB_EV_WRITE = 6               # a FAB_PENDING write finished (ctx); status 0 or -errno
     FAB_EV_SERVED = 5              # (FAB_CAP_READS_SERVED) every byte of a region registered
                                    # with remote=1 has been written toward the peer; ctx: the
                                    # fab_mr* given to reg(). Reported once per registration and
                                    # only while it is live; the engine may dereg it from then on
+
+# reg()'s `remote`: what the peer may do with the region through its key.
+# A region the peer may read is never writable by it, and the reverse.
+cdef enum:
+    FAB_REG_LOCAL = 0              # only this side's own sends, reads and writes use it
+    FAB_REG_READ = 1               # the peer reads it (a rendezvous chunk being pulled)
+    FAB_REG_WRITE = 2              # the peer writes into it (a receive buffer posted to it)
 
 cdef enum:
     FAB_MAX_RKEY = 256             # largest remote key any backend packs
@@ -108,15 +119,19 @@ cdef struct fab_channel_ops:
     # mrs: NULL, or for each iov entry the registered region holding it (from
     # reg() on this channel); backends without FAB_CAP_SEND_ANY_MEMORY get one.
     int (*send)(fab_channel* ch, iovec* iov, fab_mr** mrs, int iovcnt, uint64_t ctx) noexcept nogil
-    # remote: the peer will read the region through mr.rkey (a rendezvous chunk);
-    # 0: only this side's own sends and reads use it, and a backend whose
-    # registrations grant remote access must not grant it.
+    # remote: FAB_REG_READ, the peer will read the region through mr.rkey (a
+    # rendezvous chunk); FAB_REG_WRITE, the peer will write into it (a posted
+    # receive buffer); FAB_REG_LOCAL, only this side's own operations use it,
+    # and a backend whose registrations grant remote access must not grant it.
     int (*reg)(fab_channel* ch, void* addr, size_t length, fab_mr* mr, int remote) noexcept nogil
     void (*dereg)(fab_channel* ch, fab_mr* mr) noexcept nogil
     int (*read)(fab_channel* ch, void* dst, fab_mr* dst_mr, size_t length, uint64_t raddr,
                 uint8_t* rkey, uint32_t rkey_len, uint64_t ctx) noexcept nogil
-    # One-sided write into a peer's registered region; NULL where the fabric
-    # has none (FAB_CAP_NATIVE_WRITE unset). Completes like read().
+    # One-sided write into a peer's region registered with FAB_REG_WRITE; NULL
+    # where the fabric has none. src_mr: the region holding src (reg() with
+    # FAB_REG_LOCAL), or NULL on a fabric with FAB_CAP_SEND_ANY_MEMORY.
+    # FAB_DONE, or FAB_PENDING and later FAB_EV_WRITE with ctx; src stays
+    # untouched until then.
     int (*write)(fab_channel* ch, void* src, fab_mr* src_mr, size_t length, uint64_t raddr,
                  uint8_t* rkey, uint32_t rkey_len, uint64_t ctx) noexcept nogil
     # The fabric's own rendezvous for one chunk (FAB_CAP_NATIVE_LARGE, else

@@ -57,7 +57,10 @@ cdef class Backend:
                            (FAB_CAP_READ_ANY_MEMORY, "read_any_memory"),
                            (FAB_CAP_SEND_COPIES, "send_copies"),
                            (FAB_CAP_NATIVE_LARGE, "native_large"),
-                           (FAB_CAP_ORDERED_CLOSE, "ordered_close")):
+                           (FAB_CAP_ORDERED_CLOSE, "ordered_close"),
+                           (FAB_CAP_LARGE_NATIVE_ONLY, "large_native_only"),
+                           (FAB_CAP_READS_SERVED, "reads_served"),
+                           (FAB_CAP_ORDERED_WRITE, "ordered_write")):
             if self.caps & flag:
                 names.append(name)
         return tuple(names)

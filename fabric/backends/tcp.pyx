@@ -10,6 +10,9 @@ Wire format below the engine (little-endian, 16-byte header):
     READ_REQ   ident = request id, 24 bytes follow: u64 addr, u64 length, u64 key.
     READ_RESP  ident = request id, exactly the requested bytes follow.
     READ_ERR   ident = request id, 4 bytes follow: u32 errno of the refusal.
+    WRITE      ident = key, `length` = 8 + n bytes follow: u64 addr, then n
+               bytes for [addr, addr + n) of a region registered for the
+               peer to write (FAB_REG_WRITE: a posted receive buffer).
 
 With TLS (Fabric("tcp", ssl=...), fabric/backends/tls.pyx) the same bytes
 run inside a TLS session on the socket.
@@ -23,6 +26,15 @@ Once every byte of a region has been written in answers, the owner's engine
 hears FAB_EV_SERVED (FAB_CAP_READS_SERVED) and completes the send then, at its
 last byte written, as sendall would, without waiting for the reader's
 CHUNK_DONE; it deregisters the region at that point.
+
+One-sided write is emulated the other way round: the writer sends WRITE with
+the bytes right behind its header (from the caller's buffer, no copy); the
+owner checks key and range against the regions it registered for the peer to
+write and receives the payload straight into the region. A write outside
+them fails the connection. A region deregistered while its write is still
+arriving takes no more bytes (the rest is discarded). Writes and messages
+share one stream, so a message sent after a write arrives after its bytes
+(FAB_CAP_ORDERED_WRITE).
 """
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport malloc, calloc, realloc, free
@@ -59,10 +71,13 @@ cdef enum:
     K_READ_REQ = 2
     K_READ_RESP = 3
     K_READ_ERR = 4
+    K_WRITE = 5
+    WRITE_FIXED = 8
     MAX_IOV = 64
     INLINE_IOV = 8
     DISCARD = 65536
     NOTIFY_SERVED = 2
+    NOTIFY_WRITE = 3
 
 cdef struct tcp_send:
     tcp_send* next
@@ -84,12 +99,14 @@ cdef struct tcp_read:
     char* dst
     size_t length
     int canceled
+    uint64_t region_key        # an incoming write: the region it lands in (else 0)
 
 cdef struct tcp_region:
     uint64_t key               # 0: slot free
     char* addr
     size_t length
     size_t served              # bytes of it written in answers to the peer's reads
+    int access                 # FAB_REG_LOCAL / FAB_REG_READ / FAB_REG_WRITE
     uint64_t mr_ctx            # the engine's fab_mr* (FAB_EV_SERVED), 0 once reported or local-only
 
 cdef struct tcp_chan:
@@ -98,7 +115,8 @@ cdef struct tcp_chan:
     size_t rcap
     size_t rpos
     size_t rlen
-    tcp_read* cur_read         # READ_RESP payload being received into its dst
+    tcp_read* cur_read         # READ_RESP (or WRITE) payload being received into its dst
+    tcp_read write_in          # the incoming WRITE (cur_read points here while it arrives)
     size_t cur_done
     char* discard
     tcp_send* sq_head
@@ -177,7 +195,7 @@ TCP_OPS.send = tcp_send_msg
 TCP_OPS.reg = tcp_reg
 TCP_OPS.dereg = tcp_dereg
 TCP_OPS.read = tcp_read_remote
-TCP_OPS.write = NULL            # no one-sided write over a stream
+TCP_OPS.write = tcp_write
 TCP_OPS.send_large = NULL       # the engine's rendezvous is all there is
 TCP_OPS.recv_large = NULL
 TCP_OPS.cancel_read = tcp_cancel_read
@@ -382,7 +400,8 @@ cdef int tcp_reg(fab_channel* ch, void* addr, size_t length, fab_mr* mr, int rem
     c.regions[slot].addr = <char*>addr
     c.regions[slot].length = length
     c.regions[slot].served = 0
-    c.regions[slot].mr_ctx = <uint64_t><size_t>mr if remote else 0
+    c.regions[slot].mr_ctx = <uint64_t><size_t>mr if remote == FAB_REG_READ else 0
+    c.regions[slot].access = remote
     mr.handle = <void*><size_t>slot
     ch.live_regions += 1
     mr.addr = <uint64_t><size_t>addr
@@ -417,19 +436,24 @@ cdef void tcp_dereg(fab_channel* ch, fab_mr* mr) noexcept nogil:
     cdef uint32_t slot = <uint32_t><size_t>mr.handle
     if slot < c.nregions and c.regions[slot].key != 0:
         detach_answers(c, c.regions[slot].key)
+        if c.cur_read == &c.write_in and c.write_in.region_key == c.regions[slot].key:
+            c.write_in.canceled = 1       # the rest of that write goes nowhere
         ch.live_regions -= 1
         c.regions[slot].key = 0
         c.free_slots[c.nfree] = slot
         c.nfree += 1
 
 
-cdef tcp_region* find_region(tcp_chan* c, uint64_t key, uint64_t addr, uint64_t length) noexcept nogil:
+cdef tcp_region* find_region(tcp_chan* c, uint64_t key, uint64_t addr, uint64_t length,
+                             int access) noexcept nogil:
+    """The live region of `key` registered for `access` by the peer that
+    holds [addr, addr + length), or NULL."""
     cdef uint32_t slot = <uint32_t>(key & 0xFFFFFFFFUL)
     cdef tcp_region* r
     if key == 0 or slot >= c.nregions:
         return NULL
     r = &c.regions[slot]
-    if r.key != key:
+    if r.key != key or r.access != access:
         return NULL
     if addr < <uint64_t><size_t>r.addr or length > r.length:
         return NULL
@@ -444,7 +468,7 @@ cdef int serve_read(tcp_chan* c, const uint8_t* h, const uint8_t* body) noexcept
     cdef uint64_t addr = rd64(body)
     cdef uint64_t length = rd64(body + 8)
     cdef uint64_t key = rd64(body + 16)
-    cdef tcp_region* r = find_region(c, key, addr, length)
+    cdef tcp_region* r = find_region(c, key, addr, length, FAB_REG_READ)
     cdef iovec v[2]
     cdef tcp_send* s
     cdef int cnt
@@ -477,6 +501,76 @@ cdef int serve_read(tcp_chan* c, const uint8_t* h, const uint8_t* body) noexcept
     if c.answers > c.answers_max:
         c.answers_max = c.answers
     queue_send(c, s)
+    return 0
+
+
+# ---------------------------------------------------------------- writing
+
+cdef int tcp_write(fab_channel* ch, void* src, fab_mr* src_mr, size_t length, uint64_t raddr,
+                   uint8_t* rkey, uint32_t rkey_len, uint64_t ctx) noexcept nogil:
+    """WRITE header and the caller's bytes in one sendmsg; FAB_DONE when the
+    socket took all of it (only when nothing was queued before it, so writes
+    complete in order), else queued and reported as FAB_EV_WRITE."""
+    cdef tcp_chan* c = <tcp_chan*>ch
+    cdef iovec v[2]
+    cdef uint8_t hdr[HDR + WRITE_FIXED]
+    cdef ssize_t r = 0
+    cdef tcp_send* s
+    if ch.failed:
+        return -ch.failed
+    if rkey_len != 8 or length == 0 or length > 0xFFFFFFFFUL - WRITE_FIXED:
+        return -EINVAL
+    make_header(hdr, K_WRITE, <uint32_t>(length + WRITE_FIXED), rd64(rkey))
+    wr64(hdr + HDR, raddr)
+    v[0].iov_base = hdr
+    v[0].iov_len = HDR + WRITE_FIXED
+    v[1].iov_base = src
+    v[1].iov_len = length
+    if c.sq_head == NULL:
+        while True:
+            r = io_sendv(c, v, 2)
+            if r >= 0 or errno != EINTR:
+                break
+        if r == <ssize_t>(length + HDR + WRITE_FIXED):
+            ch.activity += 1
+            return FAB_DONE
+        if r < 0:
+            if errno != EAGAIN:
+                return fab_fail(ch, errno, "send failed")
+            r = 0
+    s = new_send(v, 2, ctx, NOTIFY_WRITE)
+    if s == NULL:
+        return fab_fail(ch, ENOMEM, "send queue")
+    memcpy(s.hdr, hdr, HDR + WRITE_FIXED)
+    s.iov[0].iov_base = s.hdr
+    advance_iov(s, <size_t>r)
+    queue_send(c, s)
+    return FAB_PENDING
+
+
+cdef int begin_write_in(tcp_chan* c, const uint8_t* h) noexcept nogil:
+    """A WRITE header and its address are buffered: check them against the
+    regions registered for the peer to write, and receive the payload into
+    the region from here on. -1 (the channel failed) if it is not allowed."""
+    cdef uint64_t key = rd64(h + 8)
+    cdef uint64_t addr = rd64(h + HDR)
+    cdef uint64_t n = <uint64_t>rd32(h + 4) - WRITE_FIXED
+    cdef size_t take
+    if find_region(c, key, addr, n, FAB_REG_WRITE) == NULL:
+        fab_fail(&c.base, EPROTO, "peer wrote outside the buffers posted to it")
+        return -1
+    c.rpos += HDR + WRITE_FIXED
+    memset(&c.write_in, 0, sizeof(tcp_read))
+    c.write_in.dst = <char*><size_t>addr
+    c.write_in.length = <size_t>n
+    c.write_in.region_key = key
+    take = c.rlen - c.rpos
+    if take > n:
+        take = <size_t>n
+    memcpy(c.write_in.dst, c.rbuf + c.rpos, take)
+    c.rpos += take
+    c.cur_read = &c.write_in
+    c.cur_done = take
     return 0
 
 
@@ -600,6 +694,8 @@ cdef int recv_payload(tcp_chan* c, fab_completion* out, int n) noexcept nogil:
         c.base.activity += 1
         want = r.length - c.cur_done
     c.cur_read = NULL
+    if r == &c.write_in:
+        return n                  # an incoming write: nothing to report
     if not r.canceled:
         n = emit(out, n, FAB_EV_READ, 0, r.ctx, NULL, r.length)
     free(r)
@@ -627,6 +723,8 @@ cdef int tcp_poll(fab_channel* ch, fab_completion* out, int max_events) noexcept
             c.done_tail = NULL
         if s.notify == NOTIFY_SERVED:
             n = emit_served(c, s, out, n)
+        elif s.notify == NOTIFY_WRITE:
+            n = emit(out, n, FAB_EV_WRITE, 0, s.ctx, NULL, 0)
         else:
             n = emit(out, n, FAB_EV_SEND, 0, s.ctx, NULL, 0)
         free_send(s)
@@ -650,7 +748,7 @@ cdef int tcp_poll(fab_channel* ch, fab_completion* out, int max_events) noexcept
             h = <uint8_t*>c.rbuf + c.rpos
             kind = h[1]
             length = rd32(h + 4)
-            if h[0] != MAGIC or h[2] != 0 or h[3] != 0 or kind < K_MSG or kind > K_READ_ERR:
+            if h[0] != MAGIC or h[2] != 0 or h[3] != 0 or kind < K_MSG or kind > K_WRITE:
                 fab_fail(ch, EPROTO, "malformed frame from peer (bad TCP fabric header)")
                 break
             if kind == K_MSG:
@@ -684,6 +782,14 @@ cdef int tcp_poll(fab_channel* ch, fab_completion* out, int max_events) noexcept
                         n = emit(out, n, FAB_EV_READ, -<int>rd32(h + HDR), rd.ctx, NULL, 0)
                     free(rd)
                     c.rpos += HDR + 4
+                    continue
+            elif kind == K_WRITE:
+                if length <= WRITE_FIXED:
+                    fab_fail(ch, EPROTO, "malformed write from peer")
+                    break
+                if avail >= HDR + WRITE_FIXED:
+                    if begin_write_in(c, h) < 0:
+                        break
                     continue
             else:  # K_READ_RESP: payload goes straight to the read's destination
                 rd = take_read(c, rd64(h + 8))
@@ -739,7 +845,8 @@ cdef int tcp_arm(fab_channel* ch, uint32_t* events) noexcept nogil:
         # A complete frame is buffered: progress is possible without the socket.
         h = <uint8_t*>c.rbuf + c.rpos
         length = rd32(h + 4)
-        if h[1] == K_READ_RESP or avail >= HDR + <size_t>length:
+        if (h[1] == K_READ_RESP or avail >= HDR + <size_t>length
+                or (h[1] == K_WRITE and avail >= HDR + WRITE_FIXED)):
             return 1
     if c.tls != NULL:
         if c.tls_ops.pending(c.tls):
@@ -774,7 +881,7 @@ cdef void tcp_close(fab_channel* ch) noexcept nogil:
         r = c.reads
         c.reads = r.next
         free(r)
-    if c.cur_read != NULL:
+    if c.cur_read != NULL and c.cur_read != &c.write_in:
         free(c.cur_read)
     free(c.rbuf)
     free(c.discard)
@@ -793,7 +900,7 @@ cdef fab_channel* new_channel(int fd, size_t max_recv) noexcept nogil:
     c.base.ops = &TCP_OPS
     c.base.fd = fd
     c.base.caps = (FAB_CAP_SEND_ANY_MEMORY | FAB_CAP_READ_ANY_MEMORY | FAB_CAP_SEND_COPIES
-                   | FAB_CAP_ORDERED_CLOSE | FAB_CAP_READS_SERVED)
+                   | FAB_CAP_ORDERED_CLOSE | FAB_CAP_READS_SERVED | FAB_CAP_ORDERED_WRITE)
     c.base.max_recv = max_recv
     c.base.send_depth = 1
     c.rcap = max_recv + HDR + 4096
@@ -892,7 +999,7 @@ cdef class TcpBackend(Backend):
     def __init__(self):
         self.name = "tcp"
         self.caps = (FAB_CAP_SEND_ANY_MEMORY | FAB_CAP_READ_ANY_MEMORY | FAB_CAP_SEND_COPIES
-                     | FAB_CAP_ORDERED_CLOSE | FAB_CAP_READS_SERVED)
+                     | FAB_CAP_ORDERED_CLOSE | FAB_CAP_READS_SERVED | FAB_CAP_ORDERED_WRITE)
 
     def default_options(self):
         # Over TCP a rendezvous costs one extra round trip and saves one copy at

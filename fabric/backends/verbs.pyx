@@ -73,6 +73,7 @@ cdef extern from "verbs_shim.h" nogil:
         IBV_WC_RECV
         IBV_ACCESS_LOCAL_WRITE
         IBV_ACCESS_REMOTE_READ
+        IBV_ACCESS_REMOTE_WRITE
     ibv_context* fab_ib_open(const char* name)
     int fab_ib_port(ibv_context* ctx, int port, int gid_index, uint8_t* gid16, uint16_t* lid,
                     int* active_mtu, int* is_eth, uint32_t* max_rd_atomic)
@@ -87,6 +88,8 @@ cdef extern from "verbs_shim.h" nogil:
     int fab_ib_post_send(ibv_qp* qp, ibv_sge* sge, int n, uint64_t wr_id, int inline_)
     int fab_ib_post_read(ibv_qp* qp, uint64_t laddr, uint32_t length, uint32_t lkey,
                          uint64_t raddr, uint32_t rkey, uint64_t wr_id)
+    int fab_ib_post_write(ibv_qp* qp, uint64_t laddr, uint32_t length, uint32_t lkey,
+                          uint64_t raddr, uint32_t rkey, uint64_t wr_id)
     int fab_ib_post_recv(ibv_qp* qp, uint64_t addr, uint32_t length, uint32_t lkey, uint64_t wr_id)
     ibv_pd* ibv_alloc_pd(ibv_context* ctx)
     int ibv_dealloc_pd(ibv_pd* pd)
@@ -113,12 +116,14 @@ cdef enum:
     BOOT_READY_BYTE = 0x52       # "R": sent on the bootstrap socket once our QP is RTR
     SEND_DEPTH = 64              # SEND work requests in flight
     READ_DEPTH = 64              # RDMA READs in flight (the device caps them further)
+    WRITE_DEPTH = 16             # RDMA WRITEs in flight (into the peer's posted buffers)
     STASH = 32
     EACCES_ = 13
     EIO_ = 5
 
 cdef uint64_t WR_RECV = 1ULL << 63
 cdef uint64_t WR_READ = 1ULL << 62
+cdef uint64_t WR_WRITE = 1ULL << 61
 
 
 cdef struct vb_domain:
@@ -162,13 +167,14 @@ cdef struct vb_chan:
     fab_regnode* mrs
     ibv_wc stash[STASH]
     int nstash
+    uint32_t writes_out          # RDMA WRITEs posted and not completed
 
 cdef fab_channel_ops VB_OPS
 VB_OPS.send = vb_send
 VB_OPS.reg = vb_reg
 VB_OPS.dereg = vb_dereg
 VB_OPS.read = vb_read
-VB_OPS.write = NULL
+VB_OPS.write = vb_write
 VB_OPS.send_large = NULL
 VB_OPS.recv_large = NULL
 VB_OPS.cancel_read = vb_cancel_read
@@ -355,10 +361,14 @@ cdef int vb_reg(fab_channel* fch, void* addr, size_t length, fab_mr* mr, int rem
     node = <fab_regnode*>calloc(1, sizeof(fab_regnode))
     if node == NULL:
         return -ENOMEM
-    # only a rendezvous chunk is readable by the peer; slabs, HELLO and receive
-    # destinations are for our own sends and reads
-    cdef ibv_mr* ib = ibv_reg_mr(ch.pd, addr, length,
-                                 IBV_ACCESS_LOCAL_WRITE | (IBV_ACCESS_REMOTE_READ if remote else 0))
+    # only a rendezvous chunk is readable by the peer and only a posted receive
+    # buffer writable by it; slabs, HELLO and pull destinations are our own
+    cdef int access = IBV_ACCESS_LOCAL_WRITE
+    if remote == FAB_REG_READ:
+        access |= IBV_ACCESS_REMOTE_READ
+    elif remote == FAB_REG_WRITE:
+        access |= IBV_ACCESS_REMOTE_WRITE
+    cdef ibv_mr* ib = ibv_reg_mr(ch.pd, addr, length, access)
     if ib == NULL:
         free(node)
         return -(errno if errno else ENOMEM)
@@ -399,6 +409,28 @@ cdef int vb_read(fab_channel* fch, void* dst, fab_mr* dst_mr, size_t length, uin
         return fab_fail(fch, rc, "ibv_post_send (RDMA READ)")
     return FAB_PENDING
 
+cdef int vb_write(fab_channel* fch, void* src, fab_mr* src_mr, size_t length, uint64_t raddr,
+                  uint8_t* rkey, uint32_t rkey_len, uint64_t ctx) noexcept nogil:
+    """RDMA WRITE into the peer's posted buffer. The SEND of the PUT frame
+    posted after it on this QP completes at the peer only once these bytes
+    are placed (RC executes a QP's requests in order)."""
+    cdef vb_chan* ch = <vb_chan*>fch
+    cdef uint32_t key
+    cdef int rc
+    if fch.failed:
+        return -fch.failed
+    if rkey_len != 4 or src_mr == NULL or src_mr.handle == NULL or length > 0x7FFFFFFFUL:
+        return -EINVAL
+    if ch.writes_out >= WRITE_DEPTH or ch.qp == NULL or ch.state == ST_BOOT:
+        return -EAGAIN
+    memcpy(&key, rkey, 4)
+    rc = fab_ib_post_write(ch.qp, <uint64_t><size_t>src, <uint32_t>length,
+                           (<ibv_mr*>(<fab_regnode*>src_mr.handle).handle).lkey, raddr, key, ctx | WR_WRITE)
+    if rc != 0:
+        return fab_fail(fch, rc, "ibv_post_send (RDMA WRITE)")
+    ch.writes_out += 1
+    return FAB_PENDING
+
 cdef int vb_cancel_read(fab_channel* fch, uint64_t ctx) noexcept nogil:
     return 1        # an RDMA READ cannot be withdrawn: wait for it
 
@@ -425,6 +457,17 @@ cdef int emit_wc(vb_chan* ch, ibv_wc* wc, fab_completion* out, int n) noexcept n
         out[n].length = 0
         if wc.status != IBV_WC_SUCCESS:
             # the QP is in error now: this read fails, and so does the connection
+            fab_fail(&ch.base, ECONNRESET if wc.status != IBV_WC_REM_ACCESS_ERR else EACCES_,
+                     ibv_wc_status_str(wc.status))
+        return n + 1
+    if wc.wr_id & WR_WRITE:
+        ch.writes_out -= 1
+        out[n].kind = FAB_EV_WRITE
+        out[n].status = 0 if wc.status == IBV_WC_SUCCESS else -13
+        out[n].ctx = wc.wr_id & ~WR_WRITE
+        out[n].data = NULL
+        out[n].length = 0
+        if wc.status != IBV_WC_SUCCESS:
             fab_fail(&ch.base, ECONNRESET if wc.status != IBV_WC_REM_ACCESS_ERR else EACCES_,
                      ibv_wc_status_str(wc.status))
         return n + 1
@@ -542,7 +585,7 @@ cdef fab_channel* new_channel(void* domain, int sock, size_t max_recv, uint32_t 
         return NULL
     ch.base.ops = &VB_OPS
     ch.base.hub = &d.hub
-    ch.base.caps = FAB_CAP_NATIVE_READ
+    ch.base.caps = FAB_CAP_NATIVE_READ | FAB_CAP_NATIVE_WRITE | FAB_CAP_ORDERED_WRITE
     ch.base.max_recv = max_recv
     ch.base.recv_depth = depth
     ch.base.send_depth = SEND_DEPTH
@@ -557,7 +600,7 @@ cdef fab_channel* new_channel(void* domain, int sock, size_t max_recv, uint32_t 
     if ch.rbuf == NULL or ch.repost == NULL:
         fab_fail(&ch.base, ENOMEM, "cannot set up the connection")
         return &ch.base
-    ch.cq = ibv_create_cq(d.ctx, <int>(depth + SEND_DEPTH + READ_DEPTH + 16), <void*>ch, d.cc, 0)
+    ch.cq = ibv_create_cq(d.ctx, <int>(depth + SEND_DEPTH + READ_DEPTH + WRITE_DEPTH + 16), <void*>ch, d.cc, 0)
     if ch.cq == NULL:
         fab_fail(&ch.base, errno if errno else ENOMEM, "ibv_create_cq")
         return &ch.base
@@ -568,7 +611,7 @@ cdef fab_channel* new_channel(void* domain, int sock, size_t max_recv, uint32_t 
     if ch.pd == NULL:
         fab_fail(&ch.base, errno if errno else ENOMEM, "ibv_alloc_pd")
         return &ch.base
-    ch.qp = fab_ib_create_qp(ch.pd, ch.cq, SEND_DEPTH + READ_DEPTH, depth, 256, &ch.max_inline)
+    ch.qp = fab_ib_create_qp(ch.pd, ch.cq, SEND_DEPTH + READ_DEPTH + WRITE_DEPTH, depth, 256, &ch.max_inline)
     if ch.qp == NULL:
         fab_fail(&ch.base, errno if errno else ENOMEM, "ibv_create_qp")
         return &ch.base
@@ -676,7 +719,7 @@ cdef class VerbsBackend(Backend):
 
     def __init__(self):
         self.name = "verbs"
-        self.caps = FAB_CAP_NATIVE_READ
+        self.caps = FAB_CAP_NATIVE_READ | FAB_CAP_NATIVE_WRITE | FAB_CAP_ORDERED_WRITE
         self.rxe_only = False
 
     def default_options(self):

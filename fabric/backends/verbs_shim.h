@@ -75,8 +75,9 @@ static inline int fab_ib_qp_init(struct ibv_qp *qp, int port)
     a.qp_state = IBV_QPS_INIT;
     a.pkey_index = 0;
     a.port_num = (uint8_t)port;
-    /* only remote READ: a peer can never write into our memory */
-    a.qp_access_flags = IBV_ACCESS_REMOTE_READ | IBV_ACCESS_LOCAL_WRITE;
+    /* what a peer may do is decided per region (its MR's access flags): read
+     * a rendezvous chunk, write into a receive buffer posted to it */
+    a.qp_access_flags = IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_LOCAL_WRITE;
     return ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
 }
 
@@ -153,6 +154,25 @@ static inline int fab_ib_post_read(struct ibv_qp *qp, uint64_t laddr, uint32_t l
     wr.sg_list = &sge;
     wr.num_sge = 1;
     wr.opcode = IBV_WR_RDMA_READ;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.wr.rdma.remote_addr = raddr;
+    wr.wr.rdma.rkey = rkey;
+    return ibv_post_send(qp, &wr, &bad);
+}
+
+static inline int fab_ib_post_write(struct ibv_qp *qp, uint64_t laddr, uint32_t length, uint32_t lkey,
+                                    uint64_t raddr, uint32_t rkey, uint64_t wr_id)
+{
+    struct ibv_sge sge;
+    struct ibv_send_wr wr, *bad;
+    sge.addr = laddr;
+    sge.length = length;
+    sge.lkey = lkey;
+    memset(&wr, 0, sizeof(wr));
+    wr.wr_id = wr_id;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.opcode = IBV_WR_RDMA_WRITE;
     wr.send_flags = IBV_SEND_SIGNALED;
     wr.wr.rdma.remote_addr = raddr;
     wr.wr.rdma.rkey = rkey;

@@ -25,6 +25,7 @@ cdef struct opts_t:
     int progress_thread
     int coalesce                # 0: one frame per fabric message (no packing)
     uint64_t native_min         # messages this large use the fabric's own rendezvous (0: never)
+    int posted_receives         # 1: recv_into() buffers are posted to the peer to write into
     int fault                   # test-only fault injection (FABRIC_FAULT_INJECT), 0 normally
     int fault_action            # FABRIC_FAULT_INJECT=<action>@<stage>[:<n>]: FA_DIE / FA_GARBAGE
     int fault_stage             # FS_* (0: none)
@@ -73,6 +74,13 @@ cdef struct sendop_t:
     uint8_t* window_served      # 1: the slot's chunk was all written (FAB_EV_SERVED), its region gone
     uint32_t released           # chunks served or acknowledged, whichever came first
     int user_done               # completed for the application before every CHUNK_DONE came
+    # put (written into the peer's posted buffer, core/posted.pxi)
+    int put
+    uint64_t put_raddr
+    uint8_t* put_rkey
+    uint32_t put_rkey_len
+    uint32_t put_issued         # writes issued
+    uint32_t put_done           # ... and completed (in issue order)
     sendop_t* reap_next
 
 cdef struct desc_t:
@@ -195,6 +203,10 @@ cdef struct ep_t:
     uint64_t chunks_served          # chunks whose every byte the fabric reported written (tcp)
     uint64_t rndv_done_early        # rendezvous sends completed at their last byte, before CHUNK_DONE
     uint64_t chunks_native
+    uint64_t chunks_written         # writes into the peer's posted buffers
+    uint64_t sent_put               # messages written into a buffer the peer posted
+    uint64_t posts_offered          # our recv_into buffers offered to the peer
+    uint64_t puts_received          # ... that the peer wrote a message into
     uint64_t fabric_sends
     uint64_t frames_sent
     uint64_t fabric_recvs
@@ -213,6 +225,19 @@ cdef struct ep_t:
     sendop_t* sendq_tail
     sendop_t* rndv_out
     sendop_t* zc_out
+    sendop_t* put_out               # put ops framed, writes still pending
+    # the peer's post (core/posted.pxi): a buffer for our message peer_post_id
+    uint32_t peer_features          # its HELLO's features
+    uint64_t decided_id             # our last message whose use of a post was decided
+    int peer_post_active
+    uint64_t peer_post_id
+    uint64_t peer_post_addr
+    uint64_t peer_post_cap
+    uint32_t peer_post_rkey_len
+    uint8_t peer_post_rkey[256]
+    int fault_has_stale_post        # FAULT_STALE_POST: the previous post, released since
+    uint64_t fault_stale_post_addr
+    uint8_t fault_stale_post_rkey[256]
     # receive side
     uint64_t next_in_id
     inmsg_t* inq_head
@@ -223,6 +248,14 @@ cdef struct ep_t:
     uint32_t c2r_quiet      # of c2r: for messages that only returned credits (no explicit CREDIT for them)
     uint32_t held
     posted_t posted
+    # our post: posted.dst registered for the peer to write message post_id into
+    int post_state                  # POST_NONE / POST_POSTED / POST_WITHDRAWING
+    uint64_t post_id
+    char* post_dst
+    size_t post_cap
+    fab_mr post_mr
+    double post_deadline            # withdrawing: the peer must answer by then
+    uint32_t post_misses            # posts in a row the peer did not use
 
 cdef struct auth_t:
     # Peer authentication on the raw socket (core/auth.pxi), before the

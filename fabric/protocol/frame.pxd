@@ -17,10 +17,13 @@
 #
 # Bodies:
 #   HELLO       32 bytes: u32 max_recv, u32 credits, u64 max_message,
-#               u32 max_rendezvous, u32 max_chunks, u64 0. The last two bound
-#               what the sender of the HELLO accepts in flight from its peer:
-#               rendezvous messages announced and not yet fully pulled, and
-#               unanswered chunk announcements per message (0: not declared).
+#               u32 max_rendezvous, u32 max_chunks, u32 features, u32 0.
+#               max_rendezvous and max_chunks bound what the sender of the
+#               HELLO accepts in flight from its peer: rendezvous messages
+#               announced and not yet fully pulled, and unanswered chunk
+#               announcements per message (0: not declared). features:
+#               HELLO_WRITES_POSTED, the sender writes messages into buffers
+#               its peer posts (POST/PUT below); unknown bits are ignored.
 #   EAGER       the message bytes (possibly none)
 #   RNDV        announces one chunk of a rendezvous message:
 #               u64 total, u64 offset, u64 raddr, u32 length, u16 rkey_len,
@@ -32,6 +35,22 @@
 #               with flag DONE_FAILED, gives up on the message).
 #   CREDIT      no body; carries only `credits`.
 #   CLOSE       no body; the sender will send nothing more.
+#   POST        (receiver to sender) a receive buffer waits for message
+#               msg_id: u64 raddr, u64 cap, u16 rkey_len, u16 0, u32 0, then
+#               rkey_len bytes of key (the region registered for the peer to
+#               write). The sender may write a message of at most cap bytes
+#               there and send PUT instead of announcing it. Flag
+#               POST_WITHDRAW, no body: the receiver takes the buffer back
+#               (the sender answers with PUT/PUT_DECLINED unless the message's
+#               own first frame answers it).
+#   PUT         (sender to receiver) message msg_id, u64 total bytes, has been
+#               written at the start of the posted buffer; it is the message's
+#               only frame and follows its writes on the channel. Flag
+#               PUT_DECLINED, no body: the post of msg_id will not be written
+#               (answer to POST_WITHDRAW).
+# A post lives until the first frame of its message arrives (PUT, or EAGER /
+# RNDV when the sender did not use it), a PUT_DECLINED, the peer's CLOSE, or
+# the connection's end.
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
 from fabric._bytes cimport wr16, wr32, wr64, rd16, rd32, rd64
@@ -51,10 +70,17 @@ cdef enum:
     F_CHUNK_DONE = 4
     F_CREDIT = 5
     F_CLOSE = 6
+    F_POST = 7
+    F_PUT = 8
 
 cdef enum:
     DONE_FAILED = 1
     RNDV_NATIVE = 1      # RNDV flag: the chunk travels by the fabric's own rendezvous (no key)
+    POST_WITHDRAW = 1    # POST flag: the receiver takes its buffer back
+    PUT_DECLINED = 1     # PUT flag: the post will not be written
+    POST_FIXED = 24
+    PUT_BODY = 8
+    HELLO_WRITES_POSTED = 1  # HELLO feature: writes messages into buffers the peer posts
 
 cdef struct frame_t:
     int type
@@ -68,6 +94,7 @@ cdef struct frame_t:
     uint64_t total
     uint64_t offset
     uint64_t raddr
+    uint64_t cap                # POST: the posted buffer's size
     uint32_t length
     uint32_t rkey_len
     const uint8_t* rkey
@@ -77,6 +104,7 @@ cdef struct frame_t:
     uint64_t hello_max_message
     uint32_t hello_max_rendezvous
     uint32_t hello_max_chunks
+    uint32_t hello_features
 
 
 cdef inline void put_header(uint8_t* p, int ftype, int flags, uint32_t body_length,
@@ -114,7 +142,7 @@ cdef inline size_t put_rndv(uint8_t* p, uint64_t msg_id, uint32_t index, uint64_
 
 cdef inline size_t put_hello(uint8_t* p, uint32_t max_recv, uint32_t credits,
                              uint64_t max_message, uint32_t max_rendezvous,
-                             uint32_t max_chunks) noexcept nogil:
+                             uint32_t max_chunks, uint32_t features=0) noexcept nogil:
     put_header(p, F_HELLO, 0, HELLO_BODY, 0, 0, 0)
     p += FRAME_HEADER
     memset(p, 0, HELLO_BODY)
@@ -123,7 +151,27 @@ cdef inline size_t put_hello(uint8_t* p, uint32_t max_recv, uint32_t credits,
     wr64(p + 8, max_message)
     wr32(p + 16, max_rendezvous)
     wr32(p + 20, max_chunks)
+    wr32(p + 24, features)
     return FRAME_HEADER + HELLO_BODY
+
+
+cdef inline size_t put_post(uint8_t* p, uint64_t msg_id, uint64_t raddr, uint64_t cap,
+                            const uint8_t* rkey, uint32_t rkey_len) noexcept nogil:
+    """Writes a whole POST frame; returns its size."""
+    put_header(p, F_POST, 0, POST_FIXED + rkey_len, msg_id, 0, 0)
+    p += FRAME_HEADER
+    memset(p, 0, POST_FIXED)
+    wr64(p, raddr)
+    wr64(p + 8, cap)
+    wr16(p + 16, <uint16_t>rkey_len)
+    memcpy(p + POST_FIXED, rkey, rkey_len)
+    return FRAME_HEADER + POST_FIXED + rkey_len
+
+
+cdef inline size_t put_put(uint8_t* p, uint64_t msg_id, uint64_t total) noexcept nogil:
+    put_header(p, F_PUT, 0, PUT_BODY, msg_id, 0, 0)
+    wr64(p + FRAME_HEADER, total)
+    return FRAME_HEADER + PUT_BODY
 
 
 cdef inline int parse_frame(const uint8_t* p, size_t avail, frame_t* f,
@@ -183,6 +231,42 @@ cdef inline int parse_frame(const uint8_t* p, size_t avail, frame_t* f,
         if f.flags != 0 or f.body_length != 0 or f.msg_id != 0 or f.aux != 0:
             error[0] = "malformed control frame"
             return -1
+    elif f.type == F_POST:
+        if (f.flags & ~POST_WITHDRAW) != 0 or f.msg_id == 0 or f.aux != 0:
+            error[0] = "malformed POST frame"
+            return -1
+        if f.flags & POST_WITHDRAW:
+            if f.body_length != 0:
+                error[0] = "malformed POST frame"
+                return -1
+        else:
+            if f.body_length < POST_FIXED:
+                error[0] = "malformed POST frame"
+                return -1
+            f.raddr = rd64(b)
+            f.cap = rd64(b + 8)
+            f.rkey_len = rd16(b + 16)
+            f.rkey = b + POST_FIXED
+            if (rd16(b + 18) != 0 or rd32(b + 20) != 0 or f.rkey_len > MAX_RKEY
+                    or f.body_length != POST_FIXED + f.rkey_len or f.cap == 0):
+                error[0] = "malformed POST frame"
+                return -1
+    elif f.type == F_PUT:
+        if (f.flags & ~PUT_DECLINED) != 0 or f.msg_id == 0 or f.aux != 0:
+            error[0] = "malformed PUT frame"
+            return -1
+        if f.flags & PUT_DECLINED:
+            if f.body_length != 0:
+                error[0] = "malformed PUT frame"
+                return -1
+        else:
+            if f.body_length != PUT_BODY:
+                error[0] = "malformed PUT frame"
+                return -1
+            f.total = rd64(b)
+            if f.total == 0:
+                error[0] = "malformed PUT frame"
+                return -1
     elif f.type == F_HELLO:
         if f.flags != 0 or f.body_length != HELLO_BODY or f.msg_id != 0 or f.aux != 0:
             error[0] = "malformed HELLO frame"
@@ -192,7 +276,8 @@ cdef inline int parse_frame(const uint8_t* p, size_t avail, frame_t* f,
         f.hello_max_message = rd64(b + 8)
         f.hello_max_rendezvous = rd32(b + 16)
         f.hello_max_chunks = rd32(b + 20)
-        if rd64(b + 24) != 0:
+        f.hello_features = rd32(b + 24)
+        if rd32(b + 28) != 0:
             error[0] = "malformed HELLO frame"
             return -1
     else:

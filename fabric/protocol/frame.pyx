@@ -11,7 +11,8 @@ HEADER_SIZE = FRAME_HEADER
 VERSION = FRAME_VERSION
 MAGIC = FRAME_MAGIC
 TYPES = {"HELLO": F_HELLO, "EAGER": F_EAGER, "RNDV": F_RNDV,
-         "CHUNK_DONE": F_CHUNK_DONE, "CREDIT": F_CREDIT, "CLOSE": F_CLOSE}
+         "CHUNK_DONE": F_CHUNK_DONE, "CREDIT": F_CREDIT, "CLOSE": F_CLOSE,
+         "POST": F_POST, "PUT": F_PUT}
 TYPE_NAMES = {v: k for k, v in TYPES.items()}
 
 
@@ -40,10 +41,26 @@ def encode_rndv(uint64_t msg_id, uint64_t index, uint64_t total, uint64_t offset
 
 
 def encode_hello(uint64_t max_recv, uint64_t credits, uint64_t max_message,
-                 uint32_t max_rendezvous=0, uint32_t max_chunks=0):
+                 uint32_t max_rendezvous=0, uint32_t max_chunks=0, uint32_t features=0):
     cdef uint8_t buf[FRAME_HEADER + HELLO_BODY]
-    put_hello(buf, <uint32_t>max_recv, <uint32_t>credits, max_message, max_rendezvous, max_chunks)
+    put_hello(buf, <uint32_t>max_recv, <uint32_t>credits, max_message, max_rendezvous, max_chunks,
+              features)
     return (<char*>buf)[:FRAME_HEADER + HELLO_BODY]
+
+
+def encode_post(uint64_t msg_id, uint64_t raddr, uint64_t cap, bytes rkey):
+    cdef bytearray out = bytearray(FRAME_HEADER + POST_FIXED + len(rkey))
+    if len(rkey) > MAX_RKEY:
+        raise ValueError("field out of range")
+    put_post(<uint8_t*><char*>out, msg_id, raddr, cap, <const uint8_t*><const char*>rkey,
+             <uint32_t>len(rkey))
+    return bytes(out)
+
+
+def encode_put(uint64_t msg_id, uint64_t total):
+    cdef uint8_t buf[FRAME_HEADER + PUT_BODY]
+    put_put(buf, msg_id, total)
+    return (<char*>buf)[:FRAME_HEADER + PUT_BODY]
 
 
 def decode(data):
@@ -68,7 +85,12 @@ def decode(data):
         elif f.type == F_HELLO:
             d.update(max_recv=f.hello_max_recv, credits_offered=f.hello_credits,
                      max_message=f.hello_max_message, max_rendezvous=f.hello_max_rendezvous,
-                     max_chunks=f.hello_max_chunks)
+                     max_chunks=f.hello_max_chunks, features=f.hello_features)
+        elif f.type == F_POST and not (f.flags & POST_WITHDRAW):
+            d.update(raddr=f.raddr, cap=f.cap,
+                     rkey=bytes(view[pos + FRAME_HEADER + POST_FIXED: pos + used]))
+        elif f.type == F_PUT and not (f.flags & PUT_DECLINED):
+            d.update(total=f.total)
         out.append(d)
         pos += used
     return out

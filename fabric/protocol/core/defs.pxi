@@ -16,12 +16,14 @@ cdef enum:
     OP_RNDV = 3
     OP_DONE = 4
     OP_FAILED = 5
+    OP_PUT = 6           # being written into the peer's posted buffer
 
 cdef enum:
     TAG_SLAB = 1
     TAG_OP = 2
     TAG_DESC = 3
     TAG_NATIVE = 4       # a native chunk send of a rendezvous op
+    TAG_WRITE = 5        # a write of a put op into the peer's posted buffer
     TAG_MASK = 7         # malloc returns 16-byte aligned blocks
 
 cdef enum:
@@ -52,6 +54,8 @@ cdef enum:
     FAULT_FLOOD = 3        # ignore the peer's max_rendezvous and chunks_in_flight
     FAULT_FOREIGN_KEY = 4  # announce another connection's live chunk (its address and key)
     FAULT_STALE_KEY = 5    # announce a chunk released after an earlier message completed
+    FAULT_BAD_WRITE = 6    # write into the peer's post across its end
+    FAULT_STALE_POST = 7   # write a message into the previous message's post (released since)
 
 # Test-only stage faults (FABRIC_FAULT_INJECT=<action>@<stage>[:<n>]): this
 # Fabric's process dies (SIGKILL, no clean-up at all) or its endpoint sends a
@@ -68,10 +72,11 @@ cdef enum:
     FS_CHUNK_DONE = 4      # once a CHUNK_DONE was posted (receiver)
     FS_BATCH = 5           # posting a coalesced batch of 3 or more frames (garbage: its 2nd frame)
     FS_CLOSE = 6           # once CLOSE was posted
+    FS_PUT = 7             # once the first write of a message into the peer's post was issued
 
 FAULT_ACTIONS = {"die": FA_DIE, "garbage": FA_GARBAGE}
 FAULT_STAGES = {"hello": FS_HELLO, "rndv": FS_RNDV, "pull": FS_PULL, "chunk_done": FS_CHUNK_DONE,
-                "batch": FS_BATCH, "close": FS_CLOSE}
+                "batch": FS_BATCH, "close": FS_CLOSE, "put": FS_PUT}
 
 cdef uint8_t GARBAGE[64]
 for _i in range(64):

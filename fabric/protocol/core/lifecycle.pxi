@@ -46,6 +46,7 @@ cdef int on_hello(ep_t* ep, frame_t* f) noexcept nogil:
     # what the peer accepts in flight (0: an older peer that did not say)
     ep.peer_max_rendezvous = f.hello_max_rendezvous if f.hello_max_rendezvous else ep.w.opts.max_rendezvous
     ep.peer_max_chunks = f.hello_max_chunks if f.hello_max_chunks else ep.w.opts.chunks_in_flight
+    ep.peer_features = f.hello_features
     if ep.w.opts.fault == FAULT_FLOOD:          # test-only: a peer that ignores both
         ep.peer_max_rendezvous = ep.peer_max_chunks = 0xFFFFFFFFU
     ep.slab_cap = slab_size_for(&ep.w.opts, f.hello_max_recv)
@@ -66,6 +67,8 @@ cdef void on_peer_close(ep_t* ep) noexcept nogil:
     and we answer with our own CLOSE so its close() need not linger."""
     ep.peer_closed = 1
     ep.pull_ahead = 1      # the peer waits to release its buffers: take its messages now
+    post_release(ep)       # nothing more comes: the post goes unused
+    ep.peer_post_active = 0
     fail_op_list(ep, ep.sendq_head, ESHUTDOWN_)
     ep.sendq_head = NULL
     ep.sendq_tail = NULL
@@ -105,7 +108,10 @@ cdef void ep_settle(ep_t* ep) noexcept nogil:
     fail_op_list(ep, ep.sendq_head, err)
     fail_op_list(ep, ep.zc_out, err)
     fail_op_list(ep, ep.rndv_out, err)
-    ep.sendq_head = ep.sendq_tail = ep.zc_out = ep.rndv_out = NULL
+    fail_op_list(ep, ep.put_out, err)
+    ep.sendq_head = ep.sendq_tail = ep.zc_out = ep.rndv_out = ep.put_out = NULL
+    ep.post_state = POST_NONE      # (its region went with the channel)
+    ep.peer_post_active = 0
     ep.rndv_out_count = 0
     # Incomplete rendezvous messages are lost with the connection; complete
     # messages before the first incomplete one stay receivable, in order.
@@ -151,7 +157,7 @@ cdef void send_hello(ep_t* ep) noexcept nogil:
         send_garbage(ep)          # instead of HELLO
         return
     put_hello(ep.hello, <uint32_t>max_recv, ep.w.opts.credits, ep.w.opts.max_message,
-              ep.w.opts.max_rendezvous, ep.w.opts.chunks_in_flight)
+              ep.w.opts.max_rendezvous, ep.w.opts.chunks_in_flight, our_features(ep))
     v.iov_base = ep.hello
     v.iov_len = FRAME_HEADER + HELLO_BODY
     if not (ep.ch.caps & FAB_CAP_SEND_ANY_MEMORY):

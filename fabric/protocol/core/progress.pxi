@@ -65,6 +65,8 @@ cdef void progress_ep_own(ep_t* ep) noexcept nogil:
                         ep.pending_sends -= 1
                 elif ev[i].kind == FAB_EV_READ:
                     on_read_done(ep, <desc_t*><size_t>(ev[i].ctx & ~<uint64_t>TAG_MASK), ev[i].status)
+                elif ev[i].kind == FAB_EV_WRITE:
+                    on_write_done(ep, <sendop_t*><size_t>(ev[i].ctx & ~<uint64_t>TAG_MASK), ev[i].status)
                 elif ev[i].kind == FAB_EV_SERVED:
                     on_chunk_served(ep, <fab_mr*><size_t>ev[i].ctx)
                 elif ev[i].kind == FAB_EV_FAILED:
@@ -601,7 +603,10 @@ cdef int pred_handshake(void* arg) noexcept nogil:
 
 cdef int pred_no_reads(void* arg) noexcept nogil:
     cdef ep_t* ep = <ep_t*>arg
-    return ep.posted.msg == NULL or ep.posted.msg.reads == 0 or ep.state == EP_DEAD
+    if ep.state == EP_DEAD:
+        return 1
+    return ((ep.posted.msg == NULL or ep.posted.msg.reads == 0)
+            and ep.post_state != POST_WITHDRAWING)
 
 cdef int pred_accept(void* arg) noexcept nogil:
     cdef lst_t* l = <lst_t*>arg
@@ -617,7 +622,7 @@ cdef int ep_drained(ep_t* ep) noexcept nogil:
         return 1
     return (ep.close_sent and ep.pending_sends == 0 and ep.ready_head == NULL
             and (ep.open_data == NULL or ep.open_data.used == 0) and ep.rndv_out == NULL
-            and ep.zc_out == NULL and ep.ctrl_ready_head == NULL
+            and ep.zc_out == NULL and ep.put_out == NULL and ep.ctrl_ready_head == NULL
             and (ep.ctrl == NULL or ep.ctrl.used == 0)
             and (ep.peer_closed or (ep.caps & FAB_CAP_ORDERED_CLOSE)))
 

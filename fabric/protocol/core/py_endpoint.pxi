@@ -102,6 +102,8 @@ cdef int unpost(ep_t* ep) noexcept nogil:
     # From here on the message is never delivered into this receive (its
     # caller has given up on it): it moves to our memory and stays first.
     p.withdrawing = 1
+    if post_withdraw(ep):
+        return 1                  # the peer may still write into the buffer
     if m != NULL and p.dst != NULL and m.data == p.dst:
         d = m.descs
         while d != NULL:
@@ -135,7 +137,8 @@ cdef int unpost(ep_t* ep) noexcept nogil:
 cdef void withdraw(ep_t* ep) noexcept nogil:
     """unpost, waiting for reads that cannot be cancelled (lock held)."""
     while unpost(ep):
-        worker_wait_quiet(ep.w, pred_no_reads, ep, -1.0)
+        worker_wait_quiet(ep.w, pred_no_reads, ep,
+                          ep.post_deadline if ep.post_state == POST_WITHDRAWING else -1.0)
 
 cdef int recv_begin(ep_t* ep, char* dst, size_t cap, recv_result* r) noexcept nogil:
     """Start a receive (lock held): 1 if it completed at once (r filled), 0
@@ -247,6 +250,10 @@ cdef class Endpoint:
                 "sent_eager": e.sent_eager, "sent_eager_zero_copy": e.sent_eager_zero_copy,
                 "sent_rendezvous": e.sent_rndv, "chunks_announced": e.chunks_announced,
                 "chunks_native": e.chunks_native, "chunks_served": e.chunks_served,
+                # receiver-posted buffers: messages written into the peer's
+                # posts; our recv_into buffers offered, and written into
+                "sent_put": e.sent_put, "chunks_written": e.chunks_written,
+                "posts_offered": e.posts_offered, "puts_received": e.puts_received,
                 "rendezvous_done_early": e.rndv_done_early,
                 "fabric_sends": e.fabric_sends, "frames_sent": e.frames_sent,
                 "fabric_recvs": e.fabric_recvs, "frames_received": e.frames_received,
@@ -457,6 +464,28 @@ cdef class Endpoint:
         if isinstance(result, BaseException):
             raise result
         return result
+
+    def _withdraw_step(self):
+        """Withdraw the receive _try_recv started without blocking (fabric.aio,
+        tests): True once done (then as _cancel_recv), False while the peer
+        may still write into the buffer or a read into it is landing (call
+        again after progress; the engine bounds the wait by handshake_timeout)."""
+        cdef int busy = 0
+        if self.ep != NULL and not forked(self.w):
+            with nogil:
+                alock(self.w)
+                if self.ep.posted.active:
+                    busy = unpost(self.ep)
+                    if busy and self.ep.state == EP_OPEN:
+                        progress_ep(self.ep)
+                        busy = unpost(self.ep) if self.ep.posted.active else 0
+                ep_settle(self.ep)
+                notify_loop(self.w)
+                wunlock(self.w)
+        if busy:
+            return False
+        self._drop_async_view()
+        return True
 
     def _cancel_recv(self):
         """Withdraw the receive _try_recv started; a message that completed

@@ -65,6 +65,7 @@ cdef int opts_from(dict options, opts_t* o) except -1:
     o.progress_thread = int(options.get("progress_thread", 1))
     o.native_min = int(options.get("native_min", 0))
     o.coalesce = int(options.get("coalesce", 1))
+    o.posted_receives = int(options.get("posted_receives", 1))
     return 0
 
 cdef uint32_t max_pending_for(int wanted):
@@ -87,7 +88,8 @@ cdef int parse_fault(str text, opts_t* o) except -1:
     if not text:
         return 0
     faults = {"bad_key": FAULT_BAD_KEY, "bad_range": FAULT_BAD_RANGE, "flood": FAULT_FLOOD,
-              "foreign_key": FAULT_FOREIGN_KEY, "stale_key": FAULT_STALE_KEY}
+              "foreign_key": FAULT_FOREIGN_KEY, "stale_key": FAULT_STALE_KEY,
+              "bad_write": FAULT_BAD_WRITE, "stale_post": FAULT_STALE_POST}
     if text in faults:
         o.fault = faults[text]
         return 0
@@ -380,6 +382,8 @@ cdef class Worker:
                                 "dirty": ep.dirty.queued, "runnable": ep.runnable.queued,
                                 "has_channel": ep.ch != NULL, "inq": n, "sendq": k,
                                 "rndv_out": ep.rndv_out != NULL, "rndv_in": ep.rndv_in != NULL,
+                                "put_out": ep.put_out != NULL or (ep.sendq_head != NULL and ep.sendq_head.put),
+                                "post": ep.post_state,
                                 "posted": (ep.posted.active, ep.posted.done), "buffered": ep.inbuf_bytes,
                                 "held": ep.held, "c2r": ep.c2r, "gen": ep.node.gen,
                                 "fabric_recvs": ep.fabric_recvs, "fabric_sends": ep.fabric_sends})

@@ -242,6 +242,7 @@ cdef void ep_post(ep_t* ep, char* dst, size_t cap) noexcept nogil:
     p.cap = cap
     ep_deliver(ep)
     if not p.done and ep.state == EP_OPEN:
+        post_buffer(ep)
         progress_ep(ep)
 
 cdef void pull_ahead(ep_t* ep) noexcept nogil:
@@ -271,6 +272,7 @@ cdef int on_eager(ep_t* ep, frame_t* f) noexcept nogil:
         ep_fail(ep, EPROTO, "peer sent a message out of sequence")
         return -1
     ep.next_in_id += 1
+    post_first_frame(ep, f.msg_id, 0)
     if (p.active and not p.done and not p.withdrawing and p.msg == NULL and p.dst != NULL
             and ep.inq_head == NULL and f.body_length <= p.cap):
         memcpy(p.dst, f.body, f.body_length)     # straight into recv_into's buffer
@@ -316,6 +318,7 @@ cdef int on_rndv(ep_t* ep, frame_t* f) noexcept nogil:
                                 "flight (max_rendezvous)")
             return -1
         ep.next_in_id += 1
+        post_first_frame(ep, f.msg_id, 1)
         m = <inmsg_t*>calloc(1, sizeof(inmsg_t))
         if m == NULL:
             ep_fail(ep, ENOMEM, "out of memory")
@@ -448,7 +451,9 @@ cdef int on_fabric_msg(ep_t* ep, const uint8_t* data, size_t length) noexcept no
             return -1
         if f.type != F_CREDIT:
             only_credits = 0
-        if ep.peer_closed and f.type != F_CREDIT and f.type != F_CHUNK_DONE:
+        if (ep.peer_closed and f.type != F_CREDIT and f.type != F_CHUNK_DONE
+                and not (f.type == F_POST and (f.flags & POST_WITHDRAW))
+                and not (f.type == F_PUT and (f.flags & PUT_DECLINED))):
             ep_fail(ep, EPROTO, "peer sent frames after CLOSE")
             return -1
         if f.type == F_EAGER:
@@ -463,6 +468,13 @@ cdef int on_fabric_msg(ep_t* ep, const uint8_t* data, size_t length) noexcept no
                 return -1
         elif f.type == F_CLOSE:
             on_peer_close(ep)
+        elif f.type == F_POST:
+            if on_post(ep, &f) < 0:
+                return -1
+        elif f.type == F_PUT:
+            has_data = (f.flags & PUT_DECLINED) == 0
+            if on_put(ep, &f) < 0:
+                return -1
     if counts:
         if only_credits:
             ep.c2r += 1       # no data held: back at once, but not worth a CREDIT of its own

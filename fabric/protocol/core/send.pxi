@@ -17,6 +17,7 @@ cdef void op_free(sendop_t* op) noexcept nogil:
     free(op.window)
     free(op.window_index)
     free(op.window_served)
+    free(op.put_rkey)
     free(op)
 
 cdef void op_finish(ep_t* ep, sendop_t* op, int err) noexcept nogil:
@@ -357,6 +358,23 @@ cdef int frame_queue(ep_t* ep) noexcept nogil:
     cdef int i, rc, direct
     while ep.sendq_head != NULL:
         op = ep.sendq_head
+        if op.msg_id > ep.decided_id and put_decide(ep, op) < 0:
+            return -1
+        if op.put:
+            rc = put_issue(ep, op)
+            if rc < 0:
+                return -1
+            if rc == 1:
+                return 0          # the window or the slabs are full: completions bring us back
+            ep.sendq_head = op.next
+            if ep.sendq_head == NULL:
+                ep.sendq_tail = NULL
+            if op.put_done == op.nchunks:
+                op_finish(ep, op, 0)
+            else:
+                op.next = ep.put_out
+                ep.put_out = op
+            continue
         if op.total <= ep.eager_limit:
             direct = eager_zero_copy_now(ep, op)
             ep.sendq_head = op.next
