@@ -170,6 +170,10 @@ def faulty(backend, address, scenario):
     try:
         if scenario == "send_large":        # rndv: we announce a large message
             ep.send(bytearray(5 * SMALL["chunk_size"]))
+        elif scenario == "send_when_posted":  # put: the victim's receive waits before we send
+            for i in range(2):
+                ep.recv(timeout=30)             # "go": the victim's POST came before it
+                ep.send(bytes([i + 1]) * (5 * SMALL["chunk_size"]))
         elif scenario == "recv_large":      # pull / chunk_done: we pull the victim's message
             ep.recv(timeout=30)
         elif scenario == "send_many":       # batch: small messages coalesce

@@ -43,6 +43,24 @@ def test_hello_round_trip(max_recv, credits, max_message, max_rendezvous, max_ch
         max_recv, credits, max_message, max_rendezvous, max_chunks)
 
 
+@given(msg_id=st.integers(1, 2**64 - 1), raddr=U64, cap=st.integers(1, 2**64 - 1), rkey=st.binary(max_size=256))
+def test_post_round_trip(msg_id, raddr, cap, rkey):
+    (f,) = frame.decode(frame.encode_post(msg_id, raddr, cap, rkey))
+    assert (f["type"], f["flags"], f["msg_id"], f["raddr"], f["cap"], f["rkey"]) == (
+        "POST", 0, msg_id, raddr, cap, rkey)
+
+
+@given(msg_id=st.integers(1, 2**64 - 1), total=st.integers(1, 2**64 - 1))
+def test_put_round_trip(msg_id, total):
+    (f,) = frame.decode(frame.encode_put(msg_id, total))
+    assert (f["type"], f["flags"], f["msg_id"], f["total"]) == ("PUT", 0, msg_id, total)
+
+
+def test_withdraw_and_declined_carry_no_body():
+    blob = frame.encode_header(frame.TYPES["POST"], 1, 0, 5) + frame.encode_header(frame.TYPES["PUT"], 1, 0, 5)
+    assert [(f["type"], f["flags"], f["msg_id"]) for f in frame.decode(blob)] == [("POST", 1, 5), ("PUT", 1, 5)]
+
+
 def test_the_hellos_last_eight_bytes_must_be_zero():
     blob = bytearray(frame.encode_hello(70000, 8, 1 << 20, 64, 2))
     blob[-1] = 1
@@ -68,6 +86,16 @@ def test_several_frames_in_one_fabric_message():
     (frame.encode_header(frame.TYPES["HELLO"], 0, 0, 0), "HELLO"),
     (frame.encode_rndv(1, 0, 10, 5, 0, 6, b"k"), "RNDV"),                   # past the end
     (bytes([0xFB, 2]) + bytes(22), "version"),
+    (frame.encode_post(1, 0x1000, 0, b"k" * 8), "POST"),                 # an empty post
+    (frame.encode_post(0, 0x1000, 64, b"k" * 8), "POST"),                # msg_id 0
+    (frame.encode_post(1, 0x1000, 64, b"k" * 9)[:-1], "longer"),         # rkey shorter than said
+    (frame.encode_post(1, 0x1000, 64, b"k" * 9)[:40] + b"\x08" + frame.encode_post(1, 0x1000, 64, b"k" * 9)[41:],
+     "POST"),                                                            # rkey_len not the body's
+    (frame.encode_header(frame.TYPES["POST"], 2, 0, 1), "POST"),         # unknown flag
+    (frame.encode_header(frame.TYPES["POST"], 1, 8, 1) + bytes(8), "POST"),   # a withdrawal with a body
+    (frame.encode_put(1, 1)[:-8] + bytes(8), "PUT"),                     # total 0
+    (frame.encode_header(frame.TYPES["PUT"], 0, 0, 1), "PUT"),           # no total
+    (frame.encode_header(frame.TYPES["PUT"], 3, 0, 1), "PUT"),
 ])
 def test_invalid_frames_raise_protocol_error(blob, why):
     with pytest.raises(ProtocolError, match=why):
@@ -103,6 +131,8 @@ def test_mutated_valid_messages_decode_or_raise(data):
         frame.encode_rndv(4, 1, 1 << 20, 65536, 0xDEADBEEF, 65536, b"12345678"),
         frame.encode_hello(70000, 32, 1 << 40),
         frame.encode_header(frame.TYPES["CHUNK_DONE"], 1, 0, 9, 3, 0),
+        frame.encode_post(5, 0x7F0000001000, 1 << 20, b"rkey0123"),
+        frame.encode_put(5, 1 << 20),
     ]))
     blob = bytearray(base)
     for _ in range(data.draw(st.integers(1, 4))):

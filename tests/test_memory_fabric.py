@@ -43,6 +43,9 @@ BIG = 5 * CHUNK
 # destructive rules (failures, closes) fire on a draw of 0 only, so most
 # runs get some traffic through first (and shrinking can still remove them)
 RARE = st.integers(0, 5)
+# what the runs exercised, summed over examples (a test below checks the
+# protocols it is meant to explore were explored)
+EXERCISED = {"sent_put": 0, "puts_received": 0, "posts_offered": 0, "chunks_served": 0}
 
 
 def payload(direction, index, size):
@@ -63,7 +66,8 @@ class Direction:
 
 
 class MemoryFabricMachine(RuleBasedStateMachine):
-    @initialize(caps=st.sets(st.sampled_from(["send_any", "read_any", "copies", "ordered_close", "served"])),
+    @initialize(caps=st.sets(st.sampled_from(["send_any", "read_any", "copies", "ordered_close", "served",
+                                              "write"])),
                 send_depth=st.integers(1, 4), rkey_len=st.sampled_from([8, 24]),
                 coalesce=st.integers(0, 1), credits=st.sampled_from([4, 8]),
                 chunks=st.integers(1, 3), budget=st.sampled_from([1 << 30, 1 << 20, 6000]),
@@ -72,7 +76,7 @@ class MemoryFabricMachine(RuleBasedStateMachine):
         flags = memory.DEFAULT_CAPS & ~memory.CAP_ORDERED_CLOSE
         for name, flag in (("send_any", memory.CAP_SEND_ANY_MEMORY), ("read_any", memory.CAP_READ_ANY_MEMORY),
                            ("copies", memory.CAP_SEND_COPIES), ("ordered_close", memory.CAP_ORDERED_CLOSE),
-                           ("served", memory.CAP_READS_SERVED)):
+                           ("served", memory.CAP_READS_SERVED), ("write", memory.CAP_ORDERED_WRITE)):
             if name in caps:
                 flags |= flag
         self.pair = MemPair(flags, send_depth, rkey_len, coalesce=coalesce, credits=credits,
@@ -84,6 +88,7 @@ class MemoryFabricMachine(RuleBasedStateMachine):
         self.faults = faults
         self.dirs = [Direction(), Direction()]      # dirs[i]: eps[i] -> eps[1 - i]
         self.posted = [None, None]                  # (mode, buffer) of a receive in progress
+        self.withdrawing = [None, None]             # a cancelled receive's buffer the peer may still write
         self.closing = [False, False]               # graceful close begun
         self.closed = [False, False]                # closed locally
         self.injected = 0                           # failures injected (any kind)
@@ -190,9 +195,19 @@ class MemoryFabricMachine(RuleBasedStateMachine):
         for size in sizes:
             self.send(side, size, 1)
 
+    def continue_withdrawal(self, side):
+        """A cancelled receive whose buffer was posted ends once the peer
+        answered (PUT or PUT_DECLINED): until then the buffer is not ours."""
+        if self.withdrawing[side] is None:
+            return True
+        if self.closed[side] or self.pair.eps[side]._withdraw_step():
+            self.withdrawing[side] = None
+            return True
+        return False
+
     @rule(side=st.integers(0, 1), mode=st.sampled_from(["recv", "into", "small"]))
     def receive(self, side, mode):
-        if not self.connected(side):
+        if not self.connected(side) or not self.continue_withdrawal(side):
             return
         if self.posted[side] is None:
             d = self.dirs[1 - side]
@@ -203,12 +218,36 @@ class MemoryFabricMachine(RuleBasedStateMachine):
             self.posted[side] = (mode, buf)
         self.try_receive(side)
 
+    @rule(side=st.integers(0, 1), size=st.sampled_from([EAGER + 1, CHUNK, 3 * CHUNK + 7]),
+          steps=st.integers(0, 6))
+    def receive_before_send(self, side, size, steps):
+        """A receive waits before its message is sent (the peer writes into
+        a posted buffer when the POST reached it first): the POST gets some
+        delivery steps, then the peer sends."""
+        self.receive(side, "into")
+        if steps == 6:
+            self.pair.settle()           # the POST surely reached the peer
+        for _ in range(steps if steps < 6 else 0):
+            items = self.pair.deliverable()
+            if not items:
+                break
+            self.pair.link.deliver(items[0][0])
+            self.pair.progress()
+        self.send(1 - side, size, 1)
+
     @precondition(lambda self: self.posted[0] is not None or self.posted[1] is not None)
     @rule(side=st.integers(0, 1))
     def cancel_receive(self, side):
         if self.posted[side] is not None and not self.closed[side]:
-            self.pair.eps[side]._cancel_recv()
+            mode, buf = self.posted[side]
+            if not self.pair.eps[side]._withdraw_step():
+                self.withdrawing[side] = buf
             self.posted[side] = None
+
+    @precondition(lambda self: self.withdrawing[0] is not None or self.withdrawing[1] is not None)
+    @rule(side=st.integers(0, 1))
+    def withdraw_more(self, side):
+        self.continue_withdrawal(side)
 
     @rule(side=st.integers(0, 1))
     def progress(self, side):
@@ -298,7 +337,7 @@ class MemoryFabricMachine(RuleBasedStateMachine):
             dbg = self.pair.debug(side)
             if self.closed[side] or dbg is None or dbg["state"] != 2:
                 continue
-            if not dbg["rndv_out"] and not dbg["rndv_in"]:
+            if not dbg["rndv_out"] and not dbg["rndv_in"] and not dbg["put_out"] and not dbg["post"]:
                 regions = self.pair.eps[side].stats()["registered_regions"]
                 assert regions == 0, f"side {side}: {regions} registrations without a transfer: {dbg}"
 
@@ -308,6 +347,10 @@ class MemoryFabricMachine(RuleBasedStateMachine):
         if pair is None:
             return
         try:
+            for ep in pair.eps:
+                if not ep.closed:
+                    for key in EXERCISED:
+                        EXERCISED[key] += ep.stats()[key]
             self.finish()
         finally:
             for ep in pair.eps:
@@ -321,6 +364,11 @@ class MemoryFabricMachine(RuleBasedStateMachine):
     def finish(self):
         pair = self.pair
         assert pair.settle(), "the engine never got quiet"
+        for _ in range(200):
+            if all(self.continue_withdrawal(side) for side in (0, 1)):
+                break
+            pair.settle()
+        assert self.withdrawing == [None, None], "a withdrawn post was never answered"
         for _ in range(200):     # take whatever arrived (progress between takes)
             moved = False
             for side in (0, 1):
@@ -348,6 +396,12 @@ class MemoryFabricMachine(RuleBasedStateMachine):
                 assert balance is None or balance == self.credits
             for side in (0, 1):
                 if not self.closed[side] and pair.debug(side) and pair.debug(side)["state"] == 2:
+                    if self.posted[side] is not None:       # a receive still waiting: its post goes
+                        for _ in range(200):
+                            if pair.eps[side]._withdraw_step():
+                                break
+                            pair.settle()
+                        self.posted[side] = None
                     assert pair.eps[side].stats()["registered_regions"] == 0
 
 
@@ -356,6 +410,9 @@ def test_engine_over_the_memory_fabric():
     run_state_machine_as_test(MemoryFabricMachine, settings=settings(
         max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None, database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+    # the protocols the machine is there for were explored, not only offered
+    assert EXERCISED["sent_put"] > 0 and EXERCISED["puts_received"] > 0, EXERCISED
+    assert EXERCISED["posts_offered"] > EXERCISED["puts_received"], EXERCISED
 
 
 # ------------------------------------------------- direct tests of the fabric

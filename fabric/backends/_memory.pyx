@@ -380,8 +380,8 @@ cdef int mem_send(fab_channel* ch, iovec* iov, fab_mr** mrs, int iovcnt, uint64_
                     done = (s.pattern >> (s.nsends % s.pattern_bits)) & 1
                     p = L.head
                     while p != NULL and done:
-                        if p.kind == IT_SEND and p.side == c.side:
-                            done = 0          # would overtake an earlier send
+                        if (p.kind == IT_SEND or p.kind == IT_WRITE) and p.side == c.side:
+                            done = 0          # would overtake an earlier send or write
                         p = p.next
                 s.nsends += 1
                 if done:

@@ -157,6 +157,7 @@ cdef struct ep_t:
     int has_stash
     char* stash_data
     size_t stash_len
+    int stash_err                 # the stashed receive failed (EACCES: its message is gone)
     int state
     int closed                  # closed locally; the struct lives until its Endpoint is freed
     int err

@@ -47,6 +47,12 @@ cdef void post_buffer(ep_t* ep) noexcept nogil:
             or not p.active or p.done or p.withdrawing or p.dst == NULL or p.msg != NULL
             or ep.inq_head != NULL or p.cap <= ep.eager_limit or ep.post_misses >= POST_MISSES_MAX):
         return
+    # A POST is unsolicited: like data it must leave the reserved credits to
+    # the frames that answer the peer (CHUNK_DONE, CREDIT, PUT_DECLINED), or
+    # two peers posting at once can spend the last credits on both sides
+    # with none returned. Without credits to spare now, no post.
+    if ep.peer_credits <= CREDIT_RESERVE or ep.pending_sends >= ep.ch.send_depth:
+        return
     rc = ep.ch.ops.reg(ep.ch, p.dst, p.cap, &ep.post_mr, FAB_REG_WRITE)
     if rc < 0:
         if ep.ch.failed:

@@ -43,6 +43,11 @@ cdef int take_stash(ep_t* ep, char* dst, size_t cap, recv_result* r) noexcept no
     if not ep.has_stash:
         return 0
     memset(r, 0, sizeof(recv_result))
+    if ep.stash_err:
+        r.err = ep.stash_err
+        ep.stash_err = 0
+        ep.has_stash = 0
+        return 1
     r.length = ep.stash_len
     if dst == NULL:
         r.data = ep.stash_data
@@ -64,6 +69,14 @@ cdef void stash_result(ep_t* ep, char* dst, recv_result* r) noexcept nogil:
     if r.err:
         if r.data != NULL:
             msg_free(r.data)
+        if r.err == EACCES_:
+            # its message failed and left the queue: the next receive reports
+            # it (the others stay true: the message too large for the buffer
+            # is still queued, a connection error is the endpoint's state)
+            ep.stash_err = EACCES_
+            ep.stash_data = NULL
+            ep.stash_len = 0
+            ep.has_stash = 1
         return
     if dst == NULL:
         copy = r.data
@@ -105,30 +118,38 @@ cdef int unpost(ep_t* ep) noexcept nogil:
     if post_withdraw(ep):
         return 1                  # the peer may still write into the buffer
     if m != NULL and p.dst != NULL and m.data == p.dst:
+        # Cancelled reads are issued again into our memory, unless the peer's
+        # side serves them (FAB_CAP_READS_SERVED): a read it already served
+        # may have completed its send, and the region is gone. Those are
+        # waited for instead.
         d = m.descs
         while d != NULL:
-            if d.reading and ep.ch != NULL:
+            if d.reading and ep.ch != NULL and not (ep.caps & FAB_CAP_READS_SERVED):
                 if ep.ch.ops.cancel_read(ep.ch, <uint64_t><size_t>d | TAG_DESC) == 0:
                     d.reading = 0
                     m.reads -= 1
             d = d.next
         if m.reads > 0 and ep.state != EP_DEAD:
             return 1
-        if ep.state != EP_DEAD:
-            nb = msg_alloc(m.total)
-            if nb == NULL:
-                ep_fail(ep, ENOMEM, "out of memory moving a message")
-            else:
-                memcpy(nb, m.data, m.total)
-                if m.dst_registered:
-                    ep.ch.ops.dereg(ep.ch, &m.dst_mr)
-                    m.dst_registered = 0
-                m.data = nb
-                m.own_data = 1
-                m.charge += m.total
-                charge_budget(ep, m.total)
-                if m.received < m.total:
-                    issue_reads(ep, m)
+        # (on a dead endpoint only a complete message is still bound here:
+        # it stays receivable, so it moves too)
+        nb = msg_alloc(m.total)
+        if nb == NULL:
+            ep_fail(ep, ENOMEM, "out of memory moving a message")
+            ep_settle(ep)
+            if ep.inq_head == m and m.received == m.total:
+                inq_pop(ep)           # (it cannot stay in the caller's buffer)
+        else:
+            memcpy(nb, m.data, m.total)
+            if m.dst_registered and ep.ch != NULL:
+                ep.ch.ops.dereg(ep.ch, &m.dst_mr)
+            m.dst_registered = 0
+            m.data = nb
+            m.own_data = 1
+            m.charge += m.total
+            charge_budget(ep, m.total)
+            if m.received < m.total and ep.state == EP_OPEN:
+                issue_reads(ep, m)
     if p.result != NULL:
         msg_free(p.result)
     memset(p, 0, sizeof(posted_t))

@@ -81,8 +81,8 @@ cdef uint32_t max_pending_for(int wanted):
 
 cdef int parse_fault(str text, opts_t* o) except -1:
     """FABRIC_FAULT_INJECT (tests only): bad_key, bad_range, flood,
-    foreign_key, stale_key, or
-    <die|garbage>@<hello|rndv|pull|chunk_done|batch|close>[:<n>]."""
+    foreign_key, stale_key, bad_write, stale_post, or
+    <die|garbage>@<hello|rndv|pull|chunk_done|batch|close|put>[:<n>]."""
     o.fault = o.fault_action = o.fault_stage = 0
     o.fault_count = 1
     if not text:
@@ -96,7 +96,7 @@ cdef int parse_fault(str text, opts_t* o) except -1:
     action, at, rest = text.partition("@")
     stage, colon, count = rest.partition(":")
     if not at or action not in FAULT_ACTIONS or stage not in FAULT_STAGES or (colon and not count.isdigit()):
-        raise ValueError(f"FABRIC_FAULT_INJECT={text!r}: use bad_key, bad_range, flood, foreign_key, stale_key, or "
+        raise ValueError(f"FABRIC_FAULT_INJECT={text!r}: use {', '.join(faults)}, or "
                          f"<{'|'.join(FAULT_ACTIONS)}>@<{'|'.join(FAULT_STAGES)}>[:<n>]")
     o.fault_action = FAULT_ACTIONS[action]
     o.fault_stage = FAULT_STAGES[stage]
@@ -104,6 +104,18 @@ cdef int parse_fault(str text, opts_t* o) except -1:
     if o.fault_count < 1:
         raise ValueError("FABRIC_FAULT_INJECT: the occurrence must be >= 1")
     return 0
+
+
+cdef dict posted_state(ep_t* ep):
+    """The posted receive, for _debug_state."""
+    cdef posted_t* p = &ep.posted
+    cdef inmsg_t* m = p.msg
+    out = {"active": p.active, "done": p.done, "withdrawing": p.withdrawing, "into": p.dst != NULL,
+           "cap": p.cap, "err": p.err}
+    if m != NULL:
+        out["msg"] = {"id": m.msg_id, "total": m.total, "received": m.received, "reads": m.reads,
+                      "into_dst": m.data == p.dst and p.dst != NULL, "failed": m.failed}
+    return out
 
 
 cdef object forked_error():
@@ -384,7 +396,7 @@ cdef class Worker:
                                 "rndv_out": ep.rndv_out != NULL, "rndv_in": ep.rndv_in != NULL,
                                 "put_out": ep.put_out != NULL or (ep.sendq_head != NULL and ep.sendq_head.put),
                                 "post": ep.post_state,
-                                "posted": (ep.posted.active, ep.posted.done), "buffered": ep.inbuf_bytes,
+                                "posted": (ep.posted.active, ep.posted.done), "receive": posted_state(ep), "buffered": ep.inbuf_bytes,
                                 "held": ep.held, "c2r": ep.c2r, "gen": ep.node.gen,
                                 "fabric_recvs": ep.fabric_recvs, "fabric_sends": ep.fabric_sends})
             for k in range(3):
