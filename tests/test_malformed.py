@@ -338,3 +338,112 @@ def test_a_slot_registered_again_never_reuses_a_key(served):
     assert len(set(keys)) == len(keys)
     raw.close()
     assert_listener_works(fab, lst, accepted)
+
+
+WRITE = 5
+
+
+def posting_peer_and_a_waiting_receive(lst, accepted, size):
+    """A RawPeer that says it writes into posts, the endpoint made for it,
+    that endpoint's recv_into waiting on the middle of a guarded buffer,
+    and the POST it sent."""
+    raw = RawPeer(lst.address)
+    kind, _, body = raw.read_wire()
+    assert kind == MSG and frame.decode(body)[0]["features"] & 1      # the victim can be written to
+    raw.sock.sendall(wire(MSG, frame.encode_hello(70000, 8, 1 << 30, 0, 0, 1)))
+    deadline = time.monotonic() + 10
+    while not accepted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ep = accepted[-1]
+    whole = bytearray(b"\xcc" * (4096 + size + 4096))
+    view = memoryview(whole)[4096:4096 + size]
+    result = {}
+
+    def receive():
+        try:
+            result["n"] = ep.recv_into(view, timeout=10)
+        except fabric.FabricError as e:
+            result["error"] = e
+
+    t = threading.Thread(target=receive, daemon=True)
+    t.start()
+    post = None
+    while post is None:
+        kind, _, body = raw.read_wire()
+        if kind == MSG:
+            post = next((f for f in frame.decode(body) if f["type"] == "POST" and not f["flags"]), None)
+    assert post["cap"] == size
+    return raw, ep, whole, view, t, result, post
+
+
+def write(raw, post, offset, payload, key=None):
+    key = int.from_bytes(post["rkey"][:8], "little") if key is None else key
+    raw.sock.sendall(wire(WRITE, struct.pack("<Q", post["raddr"] + offset) + payload, ident=key))
+
+
+@pytest.mark.timeout(60)
+def test_a_write_into_the_posted_buffer_and_its_put_complete_the_receive(served):
+    fab, lst, accepted = served
+    raw, ep, whole, view, t, result, post = posting_peer_and_a_waiting_receive(lst, accepted, 64 << 10)
+    data = os.urandom(50_000)
+    write(raw, post, 0, data[:30_000])
+    write(raw, post, 30_000, data[30_000:])
+    raw.sock.sendall(wire(MSG, frame.encode_put(post["msg_id"], len(data))))
+    t.join(10)
+    assert result == {"n": len(data)}
+    assert view[:len(data)] == data and whole[:4096] == whole[-4096:] == b"\xcc" * 4096
+    assert ep.stats()["registered_regions"] == 0
+    raw.close()
+    assert_listener_works(fab, lst, accepted)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["forged_key", "past_the_end", "before_the_start", "into_a_read_region",
+                                 "after_the_put", "put_larger_than_posted", "put_without_post"])
+def test_writes_land_only_inside_what_was_posted(served, how):
+    """Every write outside the posted buffer (another key, across its ends,
+    into a region offered for reading, after the message completed) and
+    every PUT that does not match the post closes that connection with a
+    fabric error; no byte lands outside the buffer."""
+    fab, lst, accepted = served
+    size = 16 << 10
+    raw, ep, whole, view, t, result, post = posting_peer_and_a_waiting_receive(lst, accepted, size)
+    key = int.from_bytes(post["rkey"][:8], "little")
+    if how == "forged_key":
+        write(raw, post, 0, b"x" * 64, key=key ^ (1 << 40))
+    elif how == "past_the_end":
+        write(raw, post, size - 8, b"x" * 16)
+    elif how == "before_the_start":
+        write(raw, post, -8, b"x" * 16)
+    elif how == "into_a_read_region":
+        ep.isend(os.urandom(100_000))           # announced by RNDV: a region the peer may read
+        chunk = None
+        while chunk is None:
+            kind, _, body = raw.read_wire()
+            if kind == MSG:
+                chunk = next((f for f in frame.decode(body) if f["type"] == "RNDV"), None)
+        raw.sock.sendall(wire(WRITE, struct.pack("<Q", chunk["raddr"]) + b"x" * 16,
+                              ident=int.from_bytes(chunk["rkey"][:8], "little")))
+    elif how == "after_the_put":
+        write(raw, post, 0, b"a" * 5000)
+        raw.sock.sendall(wire(MSG, frame.encode_put(post["msg_id"], 5000)))
+        t.join(10)
+        assert result == {"n": 5000}
+        write(raw, post, 0, b"b" * 5000)        # the buffer is the application's again
+    elif how == "put_larger_than_posted":
+        raw.sock.sendall(wire(MSG, frame.encode_put(post["msg_id"], size + 1)))
+    elif how == "put_without_post":
+        raw.sock.sendall(wire(MSG, frame.encode_put(post["msg_id"] + 1, 100)))
+    with pytest.raises((fabric.ProtocolError, fabric.ConnectionLost)):
+        t.join(10)
+        if "error" in result:
+            raise result["error"]
+        ep.recv(timeout=10)
+    assert whole[:4096] == whole[-4096:] == b"\xcc" * 4096, "a write landed outside the posted buffer"
+    if how == "after_the_put":
+        assert view[:5000] == b"a" * 5000
+    elif how != "into_a_read_region":
+        assert view == b"\xcc" * size
+    assert raw.closed_by_peer()
+    raw.close()
+    assert_listener_works(fab, lst, accepted)
