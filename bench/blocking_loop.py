@@ -4,7 +4,8 @@
 
 Sender (this process): `for a in arrays: ep.send(a)` (blocking) against a
 window of `isend`s (4 in flight). Receiver (its own process), one per
-contender: `recv_into(buf)` into one preallocated buffer, a fresh
+contender: `recv_into(buf)` into one preallocated buffer (into; into-pull:
+the same with posted_receives=0, the buffer never offered to the sender), a fresh
 `numpy.empty` per message then `recv_into` (the page-fault case), or
 `recv()` taking a buffer the receiver returns to fabric when done
 (fabric's recycled buffers), or `socket`: no fabric at all, a plain TCP
@@ -30,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # (a receiver started for another tree imports fabric from there)
 sys.path.insert(0, os.environ.get("FABRIC_BENCH_TREE") or os.path.dirname(HERE))
 
-RECEIVERS = ("into", "numpy", "recv", "socket")
+RECEIVERS = ("into", "into-pull", "numpy", "recv", "socket")
 BUDGET = 512 << 20          # bytes per measurement
 
 
@@ -102,7 +103,8 @@ def receiver(backend, mode):
     if mode == "socket":
         return socket_receiver()
     import fabric
-    fab = fabric.Fabric(backend)
+    # into-pull: recv_into that never offers its buffer (posted_receives=0)
+    fab = fabric.Fabric(backend, posted_receives=0 if mode == "into-pull" else 1)
     lst = fab.listen()
     print(lst.address, flush=True)
     ep = lst.accept(timeout=60)
@@ -124,7 +126,7 @@ def serve(ep, mode):
         into = buf[:size]                 # (a view: the socket peer reads exactly its length)
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         for _ in range(count):
-            if mode == "into":
+            if mode in ("into", "into-pull"):
                 ep.recv_into(into, timeout=600)
             elif mode == "numpy":
                 fresh = np.empty(size, np.uint8)

@@ -231,6 +231,8 @@ cdef struct ep_t:
     uint32_t peer_features          # its HELLO's features
     uint64_t decided_id             # our last message whose use of a post was decided
     int peer_post_active
+    uint64_t peer_posts             # POSTs the peer sent (it posts: look for one before a large send)
+    int peer_posts_follow           # the last message decided had a POST, in time or just late
     uint64_t peer_post_id
     uint64_t peer_post_addr
     uint64_t peer_post_cap

@@ -180,6 +180,9 @@ cdef int on_post(ep_t* ep, frame_t* f) noexcept nogil:
         ep_fail(ep, EPROTO, "peer posted a receive buffer, though this end said it does not "
                             "write into posted buffers")
         return -1
+    ep.peer_posts += 1
+    if f.msg_id >= ep.decided_id:
+        ep.peer_posts_follow = 1  # (late for the last decision, or in time for the next)
     if f.msg_id <= ep.decided_id:
         return 0                  # that message left already: the peer learns it from its frame
     if f.msg_id != ep.decided_id + 1 or ep.peer_post_active:
@@ -197,12 +200,35 @@ cdef inline uint32_t our_features(ep_t* ep) noexcept nogil:
     """What our HELLO offered (it depends only on options and the channel)."""
     return HELLO_WRITES_POSTED if posts_possible(ep) else 0
 
+cdef void look_for_post(ep_t* ep, size_t total) noexcept nogil:
+    """A large message is about to be queued (lock held). A peer that posts
+    its receives posts the one for this message right behind its request
+    (send, then recv_into), so its POST may be in the channel unread: read
+    what arrived first, so the message is decided with the POST in hand
+    and not a moment before it. (One poll of the channel per large send to
+    such a peer, none while earlier messages queue.)"""
+    cdef double until
+    if not (total > ep.eager_limit and ep.peer_posts and ep.state == EP_OPEN and ep.sendq_head == NULL
+            and not ep.peer_post_active and not uses_native(ep, total)):
+        return
+    progress_ep(ep)
+    if ep.peer_post_active or not ep.peer_posts_follow or ep.w.opts.spin <= 0:
+        return
+    # The peer's last POST came for the last message, in time or just after
+    # we had decided: it is likely on its way. Wait for it as long as the
+    # engine would spin (a pull costs a round trip more than a write); a
+    # peer that stopped posting costs this once (the flag drops).
+    until = monotonic_now() + min(ep.w.opts.spin, 100e-6)
+    while not ep.peer_post_active and ep.state == EP_OPEN and monotonic_now() < until:
+        progress_ep(ep)
+
 cdef int put_decide(ep_t* ep, sendop_t* op) noexcept nogil:
     """op reached the head of the queue: write it into the peer's post if
     one waits for it and fits. 1 if op is now a put op."""
     cdef int use
     ep.decided_id = op.msg_id
     if not ep.peer_post_active or ep.peer_post_id != op.msg_id:
+        ep.peer_posts_follow = 0  # (until a POST shows the peer still posts)
         return 0
     ep.peer_post_active = 0
     use = (op.total > ep.eager_limit and op.total <= ep.peer_post_cap

@@ -310,6 +310,7 @@ cdef class Endpoint:
         ep = self.ep
         with nogil:
             alock(self.w)
+            look_for_post(ep, op.total)
             ep_submit(ep, op)
             if not pred_op_final(op):
                 # While we wait, the peer's large messages are pulled ahead:
@@ -345,6 +346,7 @@ cdef class Endpoint:
         ep = self.ep
         with nogil:
             alock(self.w)
+            look_for_post(ep, op.total)
             ep_submit(ep, op)
             ep_settle(ep)
             if not pred_op_final(op):
