@@ -321,9 +321,12 @@ def test_a_slot_registered_again_never_reuses_a_key(served):
     for i in range(6):
         req = ep.isend(bytes([i]) * 10_000)
         chunk = None
+        consumed = 0            # frames of ours the engine spent credits on, returned below
         while chunk is None:
             kind, _, body = raw.read_wire()
-            chunk = next((f for f in frame.decode(body) if f["type"] == "RNDV"), None)
+            frames = frame.decode(body)
+            consumed += len(frames)
+            chunk = next((f for f in frames if f["type"] == "RNDV"), None)
         if keys:
             raw.sock.sendall(wire(READ_REQ, struct.pack("<QQ", chunk["raddr"], 16) + keys[-1], ident=100 + i))
             kind, ident, body = raw.read_wire()
@@ -333,7 +336,9 @@ def test_a_slot_registered_again_never_reuses_a_key(served):
         kind, ident, body = raw.read_wire()
         assert (kind, ident, body) == (READ_RESP, i + 1, bytes([i]) * 10_000)
         req.wait(timeout=10)
-        raw.sock.sendall(wire(MSG, frame.encode_header(frame.TYPES["CHUNK_DONE"], 0, 0, chunk["msg_id"], 0, 0)))
+        # the credits too: a peer that never returns them stalls the sender at its reserve
+        raw.sock.sendall(wire(MSG, frame.encode_header(frame.TYPES["CHUNK_DONE"], 0, 0, chunk["msg_id"], 0,
+                                                       consumed)))
         keys.append(chunk["rkey"])
     assert len(set(keys)) == len(keys)
     raw.close()
