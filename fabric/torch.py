@@ -79,9 +79,21 @@ INLINE = 16 * 1024          # bytes sent inside the header's message
 # bench/torch_compare.py: fixed 1 MiB pieces lose up to 25% at 256 MiB to
 # per-message costs, 16 MiB pieces lose the pipelining at 16 MiB.
 RING_MIN = 2 << 20
-RING_MIN_TCP_PAIR = 512 << 10     # tcp, two ranks: the ring's halved reduction pays off sooner
+RING_MIN_SERVED_PAIR = 512 << 10  # two ranks on a fabric whose pulls the peer's CPU serves (tcp)
 CHUNK_MIN = 1 << 20
 CHUNK_MAX = 16 << 20
+
+
+def _ring_min_for(capabilities: tuple[str, ...], size: int) -> int:
+    """Where all_reduce switches to the ring, from what the fabric can do.
+    Recursive doubling moves the whole tensor each step, the ring about
+    twice the tensor in all; where every byte costs the CPU at both ends
+    (the peer's side serves our pulls: "reads_served", tcp) the ring's
+    smaller volume pays off from 512 KiB at two ranks; with one-sided or
+    native transfers (verbs, ucx) doubling's fewer steps win up to 2 MiB."""
+    if size == 2 and "reads_served" in capabilities and "native_read" not in capabilities:
+        return RING_MIN_SERVED_PAIR
+    return RING_MIN
 
 
 def _env_bytes(name: str, default: int) -> int:
@@ -454,7 +466,7 @@ class FabricProcessGroup(dist.ProcessGroup):
         self._early_max = _env_bytes("FABRIC_TORCH_EARLY_MAX", EARLY_MAX)
         self._fabric = fabric.Fabric(os.environ.get("FABRIC_BACKEND") or None)
         if self._ring_min < 0:
-            self._ring_min = RING_MIN_TCP_PAIR if size == 2 and self._fabric.name == "tcp" else RING_MIN
+            self._ring_min = _ring_min_for(self._fabric.backend.capabilities, size)
         self._peers: dict[int, _Peer] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()       # collectives, in issue order
         self._sends: queue.SimpleQueue = queue.SimpleQueue()       # p2p sends to complete
@@ -749,7 +761,9 @@ class FabricProcessGroup(dist.ProcessGroup):
         p2 = 1 << (n.bit_length() - 1)
         rem = n - p2
         buf = _byte_view(t)
-        tmp = torch.empty_like(t)
+        # the group's scratch space, not fresh pages per call (collectives run
+        # one at a time on this group's thread, so nothing else holds it)
+        tmp = self._scratch_space(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
         tmp_buf = _byte_view(tmp)
         step = 0
         # fold: the first 2*rem ranks pair up, the even one hands over its data

@@ -175,3 +175,22 @@ def test_destroy_process_group_leaves_nothing(backend_name):
     if IN_GUEST:
         pytest.skip(GUEST_RUNS_IT)
     run_ranks(backend_name, "destroy", 2)
+
+
+@pytest.mark.timeout(60)
+def test_the_ring_threshold_follows_the_fabrics_capabilities():
+    """all_reduce's ring/doubling switch comes from what a fabric can do, not
+    its name: a fabric whose pulls the peer's CPU serves (tcp) takes the ring
+    sooner at two ranks; one-sided or native transfers keep doubling longer."""
+    import fabric
+    from fabric import torch as fabric_torch
+
+    tcp = fabric.Fabric("tcp")
+    try:
+        caps = tcp.backend.capabilities
+    finally:
+        tcp.close()
+    assert fabric_torch._ring_min_for(caps, 2) == fabric_torch.RING_MIN_SERVED_PAIR
+    assert fabric_torch._ring_min_for(caps, 4) == fabric_torch.RING_MIN
+    assert fabric_torch._ring_min_for(("native_read", "native_write", "ordered_write"), 2) == fabric_torch.RING_MIN
+    assert fabric_torch._ring_min_for(("native_read", "reads_served"), 2) == fabric_torch.RING_MIN
