@@ -245,3 +245,71 @@ def test_first_wait_of_a_loop_sees_what_arrived_while_it_attached(backend_name, 
     assert delivered == [True]
     fab.close()
     other.close()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("connections", [1, 64])
+@pytest.mark.parametrize("receiver", ["recv", "recv_into", "closes_halfway"])
+def test_a_busy_loops_large_sends_are_served_while_it_computes(backend_name, receiver, connections):
+    """An asyncio sender starts large sends and then runs code that does not
+    yield (here it waits for its peers, which only progress made outside the
+    loop can satisfy). Its peers pull (recv), are written into (recv_into),
+    or receive half and close their Fabric. Everything sent arrives, or fails,
+    before the loop runs again: the progress thread serves a polling loop
+    that leaves an event waiting (Fabric.progress_stats busy_loop_rounds,
+    where the sender's CPU must serve)."""
+    import threading
+
+    size = 1 << 20
+    messages = [np.random.default_rng(i).integers(0, 255, size, dtype=np.uint8).tobytes()
+                for i in range(connections)]
+    fab = fabric.Fabric(backend_name, **small_options())
+    other = fabric.Fabric(backend_name, **small_options())
+    pairs = [connect_pair(fab, other) for _ in range(connections)]
+    got = []
+
+    def receive():
+        buf = bytearray(size)
+        for n, (_, server) in enumerate(pairs):
+            if receiver == "closes_halfway" and n == max(1, connections // 2):
+                other.close(linger=0)
+                return
+            if receiver == "recv_into":
+                assert server.recv_into(buf, timeout=60) == size
+                got.append(bytes(buf))
+            else:
+                got.append(bytes(server.recv(timeout=60)))
+
+    async def main():
+        watching = asyncio.ensure_future(pairs[0][0].arecv())   # the loop polls the sender's Fabric
+        for _ in range(3):
+            await asyncio.sleep(0)
+        before = fab.progress_stats["busy_loop_rounds"]
+        requests = [client.isend(msg) for (client, _), msg in zip(pairs, messages)]
+        thread = threading.Thread(target=receive, daemon=True)
+        thread.start()
+        thread.join(90)                        # the loop is blocked until its peers are done
+        assert not thread.is_alive(), "the peers waited for a loop that was not polling"
+        assert got == messages[:len(got)]
+        outcomes = []
+        for req in requests:
+            try:
+                await asyncio.wait_for(req, 30)
+                outcomes.append("sent")
+            except fabric.FabricError:
+                outcomes.append("failed")
+        watching.cancel()
+        return before, outcomes
+
+    before, outcomes = asyncio.run(main())
+    if receiver == "closes_halfway":
+        assert len(got) == max(1, connections // 2)
+        assert "failed" in outcomes or connections == 1
+    else:
+        assert len(got) == connections and outcomes == ["sent"] * connections
+    if "reads_served" in fab.backend.capabilities:
+        # the sender's CPU serves pulls and writes (verbs' NIC and UCX's
+        # rendezvous may complete without it)
+        assert fab.progress_stats["busy_loop_rounds"] > before
+    fab.close()
+    other.close()

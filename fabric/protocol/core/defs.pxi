@@ -47,6 +47,7 @@ cdef enum:
     BG_BEHIND_POLLER = 1 # an application thread is blocked in epoll: asleep until it leaves
     BG_WATCHING = 2      # the application is active: re-check after the grace period
     BG_POLLING = 3       # blocked in epoll, progressing for an application that is away
+    BG_LOOKING = 4       # an event loop polls: watching, not taking, for an event it leaves waiting
 
 cdef enum:
     FAULT_BAD_KEY = 1      # announce chunks with a forged remote key
@@ -96,6 +97,12 @@ cdef double BG_GRACE = 0.001    # application idle this long before the thread p
 # this long may have missed something (a frame a send read into a channel's
 # buffer, where no descriptor announces it): the progress thread looks.
 cdef double LOOP_SILENCE = 0.1
+# A polling event loop that has not entered the engine for LOOP_BUSY may be
+# running the application rather than its selector; an event it then leaves
+# waiting LOOP_ANSWER (an idle loop takes one in tens of microseconds) is
+# served by the progress thread.
+cdef double LOOP_BUSY = 0.001
+cdef double LOOP_ANSWER = 0.0005
 
 
 ctypedef int (*pred_fn)(void* arg) noexcept nogil

@@ -335,6 +335,15 @@ cdef void drain_wake(worker_t* w) noexcept nogil:
     cdef uint64_t junk
     read(w.wake_fd, &junk, 8)
 
+cdef inline void bg_sleep_until(worker_t* w, double resume, double now) noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    ts.tv_nsec += <long>((resume - now) * 1e9) + 1000
+    while ts.tv_nsec >= 1000000000:
+        ts.tv_sec += 1
+        ts.tv_nsec -= 1000000000
+    pthread_cond_timedwait(&w.bg_cond, &w.lock, &ts)
+
 cdef void* progress_thread_main(void* arg) noexcept nogil:
     """Background progress. A TCP peer's pull, a full socket, a rendezvous
     release or the peer's CLOSE must not wait until the application calls
@@ -342,12 +351,23 @@ cdef void* progress_thread_main(void* arg) noexcept nogil:
     the engine or was there within BG_GRACE (so it does not compete with an
     active application for the CPU); after that it blocks in epoll and
     progresses what has events. An application thread that starts to block
-    kicks it out of epoll (wake_fd) and takes over."""
+    kicks it out of epoll (wake_fd) and takes over.
+
+    While an event loop polls for the worker, the thread leaves events to it
+    unless the loop is busy: it looks at the epoll set without taking what
+    it finds (level-triggered: the loop still sees it), and an event the
+    loop, silent for LOOP_BUSY, has not come for within LOOP_ANSWER (it runs
+    the application's code, not its selector) is served here, and so is
+    everything after it until the loop enters the engine again. A peer's
+    pull then waits about LOOP_BUSY + LOOP_ANSWER, not for the application's
+    computation to end."""
     cdef worker_t* w = <worker_t*>arg
-    cdef timespec ts
     cdef epoll_event evs[64]
     cdef int n, ms
     cdef double now, resume, hs
+    cdef double event_at = -1.0      # when a look found an event for a silent loop
+    cdef double serving_since = -1.0 # the loop is away: serve until it enters the engine
+    cdef bint busy_loop = 0          # ... because it left an event waiting
     wlock(w)
     while not w.bg_stop:
         if w.polling:
@@ -355,28 +375,47 @@ cdef void* progress_thread_main(void* arg) noexcept nogil:
             pthread_cond_wait(&w.bg_cond, &w.lock)
             continue
         now = monotonic_now()
-        if w.loop_polling and now - w.last_app < LOOP_SILENCE:
-            # An event loop polls for us. Should it stop running without
-            # saying so, or miss an event, we take over after LOOP_SILENCE
-            # (and notify it). Waking then costs nothing while it is busy.
-            w.bg_state = BG_BEHIND_POLLER
-            resume = w.last_app + LOOP_SILENCE
-            clock_gettime(CLOCK_MONOTONIC, &ts)
-            ts.tv_nsec += <long>((resume - now) * 1e9) + 1000
-            if ts.tv_nsec >= 1000000000:
-                ts.tv_sec += 1
-                ts.tv_nsec -= 1000000000
-            pthread_cond_timedwait(&w.bg_cond, &w.lock, &ts)
-            continue
+        if w.loop_polling:
+            if w.last_app > event_at:
+                event_at = -1.0
+            if w.last_app > serving_since:
+                serving_since = -1.0
+        else:
+            event_at = serving_since = -1.0
+        if serving_since < 0:
+            busy_loop = 0
+        if w.loop_polling and serving_since < 0:
+            if now - w.last_app < LOOP_BUSY:
+                # the loop entered the engine just now: it serves itself
+                w.bg_state = BG_BEHIND_POLLER
+                bg_sleep_until(w, w.last_app + LOOP_BUSY, now)
+                continue
+            if event_at < 0 and now - w.last_app < LOOP_SILENCE:
+                # Idle in its selector (it takes any event at once) or busy
+                # running the application (it does not): look and see.
+                w.bg_state = BG_LOOKING
+                ms = <int>((w.last_app + LOOP_SILENCE - now) * 1000.0) + 1
+                wunlock(w)
+                n = epoll_wait(w.epfd, evs, 1, ms)
+                wlock(w)
+                if n > 0 and w.last_app < now:
+                    event_at = monotonic_now()
+                continue
+            if event_at >= 0 and now < event_at + LOOP_ANSWER:
+                w.bg_state = BG_BEHIND_POLLER
+                bg_sleep_until(w, event_at + LOOP_ANSWER, now)
+                continue
+            # The loop left an event waiting LOOP_ANSWER (it is busy), or has
+            # not entered the engine for LOOP_SILENCE (it may have missed
+            # something: a frame a send read into a channel's buffer, which
+            # no descriptor announces): serve, and notify it.
+            serving_since = now
+            busy_loop = event_at >= 0
+            event_at = -1.0
         resume = w.last_app + BG_GRACE
         if now < resume:
             w.bg_state = BG_WATCHING
-            clock_gettime(CLOCK_MONOTONIC, &ts)
-            ts.tv_nsec += <long>((resume - now) * 1e9) + 1000
-            if ts.tv_nsec >= 1000000000:
-                ts.tv_sec += 1
-                ts.tv_nsec -= 1000000000
-            pthread_cond_timedwait(&w.bg_cond, &w.lock, &ts)
+            bg_sleep_until(w, resume, now)
             continue
         w.bg_state = BG_POLLING
         w.polling = 1
@@ -401,6 +440,10 @@ cdef void* progress_thread_main(void* arg) noexcept nogil:
         if n < 0:
             n = 0
         handle_events(w, evs, n)
+        if n > 0:
+            w.bg_rounds += 1
+            if serving_since >= 0 and busy_loop:
+                w.bg_loop_rounds += 1
         if hs >= 0:
             sweep_listeners(w)
         pthread_cond_broadcast(&w.cond)

@@ -240,6 +240,16 @@ cdef class Worker:
         return self.w.inbuf_total if self.w != NULL else 0
 
     @property
+    def progress_stats(self):
+        """What the progress thread did: `background_rounds` of progress for
+        an application away from fabric, `busy_loop_rounds` of them for an
+        event loop that polls but was running the application's code when an
+        event came (a peer's pull, room in a socket)."""
+        if self.w == NULL:
+            return {"background_rounds": 0, "busy_loop_rounds": 0}
+        return {"background_rounds": self.w.bg_rounds, "busy_loop_rounds": self.w.bg_loop_rounds}
+
+    @property
     def authenticates(self):
         """True if connections must prove the shared key (auth_key)."""
         return self.w != NULL and self.w.auth_key != NULL
