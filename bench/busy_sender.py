@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import fabric  # noqa: E402
 
-MESSAGES = 12
+MESSAGES = 12     # per size and busy time (--messages)
 
 
 def parse_size(text):
@@ -47,7 +47,9 @@ def human(n):
     return str(n)
 
 
-def receive(backend, receiver, plan, queue):
+def receive(backend, receiver, plan, queue, messages):
+    global MESSAGES
+    MESSAGES = messages
     fab = fabric.Fabric(backend)
     lst = fab.listen("127.0.0.1:0")
     queue.put(lst.address)
@@ -97,7 +99,7 @@ async def send_all(backend, address, plan):
 def one_round(backend, receiver, plan):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    peer = ctx.Process(target=receive, args=(backend, receiver, plan, queue))
+    peer = ctx.Process(target=receive, args=(backend, receiver, plan, queue, MESSAGES))
     peer.start()
     try:
         return asyncio.run(send_all(backend, queue.get(timeout=60), plan))
@@ -106,14 +108,17 @@ def one_round(backend, receiver, plan):
 
 
 def main(argv=None):
+    global MESSAGES
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--backend", default="tcp")
     ap.add_argument("--sizes", default="1M,16M")
     ap.add_argument("--busy", default="0,5,20,50", help="ms the sender computes after each isend")
     ap.add_argument("--receiver", default="recv", choices=("recv", "into"))
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--messages", type=int, default=12)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    MESSAGES = args.messages
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     busies = [float(b) for b in args.busy.split(",")]
     if 0.0 not in busies:

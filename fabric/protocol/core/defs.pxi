@@ -103,6 +103,9 @@ cdef double LOOP_SILENCE = 0.1
 # served by the progress thread.
 cdef double LOOP_BUSY = 0.001
 cdef double LOOP_ANSWER = 0.0005
+# With no large send in flight the thread only checks, this often, whether
+# one has started (a loop that is active otherwise needs nothing from it).
+cdef double LOOP_CHECK = 0.004
 
 
 ctypedef int (*pred_fn)(void* arg) noexcept nogil

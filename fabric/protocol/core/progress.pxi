@@ -397,7 +397,10 @@ cdef void* progress_thread_main(void* arg) noexcept nogil:
                 # competes with it for the CPU: 10-17% fewer concurrent gRPC
                 # calls per second, measured).
                 w.bg_state = BG_BEHIND_POLLER
-                bg_sleep_until(w, w.last_app + LOOP_SILENCE, now)
+                resume = w.last_app + LOOP_SILENCE
+                if resume > now + LOOP_CHECK:
+                    resume = now + LOOP_CHECK      # a large send may start meanwhile
+                bg_sleep_until(w, resume, now)
                 continue
             if event_at < 0 and now - w.last_app < LOOP_SILENCE:
                 # Idle in its selector (it takes any event at once) or busy
