@@ -149,7 +149,7 @@ class Fabric:
         progress while the application was away from fabric, and
         `busy_loop_rounds` of them for an asyncio loop that polls this
         Fabric but was running other code when an event came (a peer's pull
-        or room in a socket is then served within about 1.5 ms rather than
+        or room in a socket is then served within about 2.5 ms rather than
         when the loop next yields)."""
         return self._worker.progress_stats
 
