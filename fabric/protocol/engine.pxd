@@ -316,7 +316,7 @@ cdef struct worker_t:
     int bg_stop
     uint64_t bg_rounds          # rounds of progress the thread made for an absent application
     uint64_t bg_loop_rounds     # ... of them for a polling event loop that was busy
-    uint32_t large_sends        # sends above the eager limit not finished: a peer may wait on us
+    uint32_t large_sends        # sends above the eager limit, pulls served by our CPU, not finished
     int wake_fd
     int notify_fd               # written after progress by other threads while a loop waits
     int loop_polling            # an asyncio loop watches epfd (it is the poller)

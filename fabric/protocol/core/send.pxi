@@ -528,9 +528,12 @@ cdef void ep_submit(ep_t* ep, sendop_t* op) noexcept nogil:
     ep.next_out_id += 1
     op.msg_id = ep.next_out_id
     op.state = OP_QUEUED
-    if op.total > ep.eager_limit and not op.large_counted:
-        # the peer will pull it or take writes: the progress thread must
-        # watch a busy event loop while it is in flight
+    if op.total > ep.eager_limit and not op.large_counted and ep.caps & FAB_CAP_READS_SERVED:
+        # the peer's pulls of it need this side's CPU (FAB_CAP_READS_SERVED:
+        # tcp; verbs' NIC and UCX serve their own): the progress thread must
+        # watch a busy event loop while it is in flight. (Watching on verbs
+        # too slowed the Soft-RoCE guest's Dask transfers past their timeout
+        # in one CI run, and serves nothing a NIC does not.)
         # (the thread is not woken for it: that wake-up, as the transfer
         # starts, cost 20-25% of a 1-4 MiB send's time from an idle loop; it
         # looks within LOOP_CHECK)
