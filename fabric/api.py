@@ -148,9 +148,10 @@ class Fabric:
         """What the background progress thread did: `background_rounds` of
         progress while the application was away from fabric, and
         `busy_loop_rounds` of them for an asyncio loop that polls this
-        Fabric but was running other code when an event came (a peer's pull
-        or room in a socket is then served within about 2.5 ms rather than
-        when the loop next yields)."""
+        Fabric but was running other code when an event came while a large
+        send was in flight on a fabric whose pulls this side's CPU serves
+        (tcp): the peer's pull or room in a socket is then served within
+        about 2.5 ms rather than when the loop next yields."""
         return self._worker.progress_stats
 
     @property
