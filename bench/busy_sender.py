@@ -30,21 +30,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import fabric  # noqa: E402
+from fabric.info import human_size as human  # noqa: E402
+from fabric.perf.cli import parse_sizes  # noqa: E402
 
 MESSAGES = 12     # per size and busy time (--messages)
-
-
-def parse_size(text):
-    text = text.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    return int(float(text[:-1] if mult > 1 else text) * mult)
-
-
-def human(n):
-    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift}{unit}"
-    return str(n)
 
 
 def receive(backend, receiver, plan, queue, messages):
@@ -119,7 +108,7 @@ def main(argv=None):
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     MESSAGES = args.messages
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    sizes = parse_sizes(args.sizes)
     busies = [float(b) for b in args.busy.split(",")]
     if 0.0 not in busies:
         busies.insert(0, 0.0)

@@ -219,8 +219,6 @@ class _Work(dist._Work):
         self.wait()
 
 
-# ---------------------------------------------------------- process group
-
 class PointToPoint:
     """send, recv and recv_anysource of FabricProcessGroup."""
 

@@ -454,7 +454,7 @@ cdef void* progress_thread_main(void* arg) noexcept nogil:
         handle_events(w, evs, n)
         if n > 0:
             w.bg_rounds += 1
-            if serving_since >= 0 and busy_loop:
+            if busy_loop:          # (set only while serving)
                 w.bg_loop_rounds += 1
         if hs >= 0:
             sweep_listeners(w)
