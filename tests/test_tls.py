@@ -307,6 +307,31 @@ def test_configurations_fabric_refuses(pem):
         only_client.close()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("version", ["TLSv1_2", "TLSv1_3"])
+def test_a_client_without_a_progress_thread_delivers_its_first_send(pem, version):
+    """The handshake finishes inside a poll of connect(), which may read the
+    peer's HELLO in the same poll (TLS 1.2 always: the server's Finished and
+    its HELLO arrive together). Our HELLO, written then, must be reported in
+    that poll: a send right after connect() that found it still in flight
+    waited in the engine for a poll that a client without a progress thread
+    never makes."""
+    client = client_context(pem)
+    client.maximum_version = getattr(ssl.TLSVersion, version)
+    for _ in range(3):
+        a = tls_fabric(client, progress_thread=0)
+        b = tls_fabric(server_context(pem))
+        try:
+            lst = b.listen()
+            ep = a.connect(lst.address, timeout=10)
+            peer = lst.accept(timeout=10)
+            ep.send(b"first")
+            assert bytes(peer.recv(timeout=10)) == b"first"
+        finally:
+            a.close(linger=0)
+            b.close(linger=0)
+
+
 @pytest.mark.timeout(120)
 def test_a_reset_peer_is_an_error_not_a_sigpipe(pem, tmp_path):
     """A process that does not ignore SIGPIPE (Python does; a program that

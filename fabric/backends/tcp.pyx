@@ -702,6 +702,25 @@ cdef int recv_payload(tcp_chan* c, fab_completion* out, int n) noexcept nogil:
     return n
 
 
+cdef int emit_done(tcp_chan* c, fab_completion* out, int n, int max_events) noexcept nogil:
+    """Report written sends (as many as out holds; the rest wait for the next
+    poll, which tcp_arm then asks for at once)."""
+    cdef tcp_send* s
+    while c.done_head != NULL and n < max_events:
+        s = c.done_head
+        c.done_head = s.next
+        if c.done_head == NULL:
+            c.done_tail = NULL
+        if s.notify == NOTIFY_SERVED:
+            n = emit_served(c, s, out, n)
+        elif s.notify == NOTIFY_WRITE:
+            n = emit(out, n, FAB_EV_WRITE, 0, s.ctx, NULL, 0)
+        else:
+            n = emit(out, n, FAB_EV_SEND, 0, s.ctx, NULL, 0)
+        free_send(s)
+    return n
+
+
 cdef int tcp_poll(fab_channel* ch, fab_completion* out, int max_events) noexcept nogil:
     cdef tcp_chan* c = <tcp_chan*>ch
     cdef int n = 0
@@ -715,21 +734,11 @@ cdef int tcp_poll(fab_channel* ch, fab_completion* out, int max_events) noexcept
     cdef tcp_send* s
     if ch.failed:
         return emit(out, 0, FAB_EV_FAILED, -ch.failed, 0, NULL, 0)
-    # Completed sends first: they free the engine's buffers.
-    while c.done_head != NULL and n < max_events:
-        s = c.done_head
-        c.done_head = s.next
-        if c.done_head == NULL:
-            c.done_tail = NULL
-        if s.notify == NOTIFY_SERVED:
-            n = emit_served(c, s, out, n)
-        elif s.notify == NOTIFY_WRITE:
-            n = emit(out, n, FAB_EV_WRITE, 0, s.ctx, NULL, 0)
-        else:
-            n = emit(out, n, FAB_EV_SEND, 0, s.ctx, NULL, 0)
-        free_send(s)
     if flush_sends(c) < 0:
-        return emit(out, n, FAB_EV_FAILED, -ch.failed, 0, NULL, 0) if n < max_events else n
+        return emit(out, n, FAB_EV_FAILED, -ch.failed, 0, NULL, 0)
+    # Completed sends first, this flush's included: they free the engine's
+    # buffers and its send depth (a send that waits for them may go now).
+    n = emit_done(c, out, n, max_events)
     # Data handed out by the previous poll() is no longer referenced: compact.
     if c.rpos > 0:
         if c.rlen > c.rpos:
@@ -829,6 +838,14 @@ cdef int tcp_poll(fab_channel* ch, fab_completion* out, int max_events) noexcept
         if errno == EAGAIN:
             break
         fab_fail(ch, errno, "recv failed")
+    if c.tls != NULL and c.sq_head != NULL and not ch.failed and c.tls_ops.handshaken(c.tls):
+        # The handshake may have finished in this poll's reads, after the
+        # flush above found it unfinished: what waited for it goes now. The
+        # peer's first message may already have opened the endpoint, and a
+        # caller without a progress thread may not poll again.
+        if flush_sends(c) < 0 and n < max_events:
+            return emit(out, n, FAB_EV_FAILED, -ch.failed, 0, NULL, 0)
+        n = emit_done(c, out, n, max_events)
     if ch.failed and n < max_events:
         n = emit(out, n, FAB_EV_FAILED, -ch.failed, 0, NULL, 0)
     return n
