@@ -1,6 +1,7 @@
 """The program a user writes first, against the tuned one, side by side.
 
     python bench/blocking_loop.py [--backends tcp,ucx] [--sizes 64K,1M,16M,64M] [--rounds 3] [--json out.json]
+                                  [--perftest]
 
 Sender (this process): `for a in arrays: ep.send(a)` (blocking) against a
 window of `isend`s (4 in flight). Receiver (its own process), one per
@@ -16,6 +17,8 @@ times from the first send to the receiver's acknowledgement of the last
 message, which carries the receiver's minor page faults in that run (faults
 per message are printed with the rates). Rounds interleave
 the contenders; medians; ratios against the windowed loop of the same run.
+--perftest adds UCX's own C benchmark to each ucx round: ucx_perftest tag_bw at
+the same size and UCX_TLS (the variable as set here; unset: all transports).
 """
 from __future__ import annotations
 
@@ -33,19 +36,6 @@ sys.path.insert(0, os.environ.get("FABRIC_BENCH_TREE") or os.path.dirname(HERE))
 
 RECEIVERS = ("into", "into-pull", "numpy", "recv", "socket")
 BUDGET = 512 << 20          # bytes per measurement
-
-
-def parse_size(text):
-    text = text.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    return int(float(text[:-1] if mult > 1 else text) * mult)
-
-
-def human(n):
-    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift}{unit}"
-    return str(n)
 
 
 class RawSocket:
@@ -152,6 +142,16 @@ def start_receiver(backend, spec):
     return proc, address
 
 
+def perftest_bw(size, count):
+    """ucx_perftest tag_bw of `count` messages of `size` bytes, MB/s (10^6),
+    between two processes on loopback with this UCX_TLS."""
+    sys.path.insert(0, HERE)
+    from ucx_compare import ucx_perftest
+    import random
+    tls = os.environ.get("UCX_TLS") or "all"
+    return ucx_perftest("tag_bw", size, count, tls, random.randint(20000, 60000))["MBps"]
+
+
 def one_run(ep, payload, count, window):
     ep.send(len(payload).to_bytes(8, "little") + count.to_bytes(8, "little"))
     t0 = time.perf_counter()
@@ -177,6 +177,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--receivers", default=",".join(RECEIVERS))
     ap.add_argument("--json")
+    ap.add_argument("--perftest", action="store_true",
+                    help="each ucx round also runs ucx_perftest tag_bw (same size, same UCX_TLS)")
     ap.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve:
@@ -184,7 +186,9 @@ def main(argv=None):
         return 0
     import numpy as np
     import fabric
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    from fabric.info import human_size as human
+    from fabric.perf.cli import parse_sizes
+    sizes = parse_sizes(args.sizes)
     modes = args.receivers.split(",")
     results = {}
     for backend in args.backends.split(","):
@@ -215,12 +219,18 @@ def main(argv=None):
                             rate, per_message = one_run(ep, payload, count, window)
                             samples.setdefault((mode, name), []).append(rate)
                             faults.setdefault(mode, []).append(per_message)
+                    if args.perftest and backend == "ucx":
+                        samples.setdefault(("ucx_perftest", "tag_bw"), []).append(perftest_bw(size, count))
                 row = {f"{mode}/{name}": statistics.median(v) for (mode, name), v in samples.items()}
                 row.update({f"{mode} faults/msg": statistics.median(v) for mode, v in faults.items()})
                 results[f"{backend} {human(size)}"] = row
                 base = row["into/windowed"] if "into/windowed" in row else next(iter(row.values()))
                 cells = "  ".join(f"{k} {v:8.0f} ({v / base:.2f}x)" for k, v in row.items() if "faults" not in k)
                 print(f"{backend:4} {human(size):>4}  {cells}", flush=True)
+                if "ucx_perftest/tag_bw" in row:
+                    print("          against ucx_perftest tag_bw: " + "  ".join(
+                        f"{k} {v / row['ucx_perftest/tag_bw']:.2f}x" for k, v in row.items()
+                        if k.startswith("into/")), flush=True)
                 if "socket/blocking" in row:
                     print("          against the raw socket loop: " + "  ".join(
                         f"{k} {v / row['socket/blocking']:.2f}x" for k, v in row.items()

@@ -273,6 +273,20 @@ def crash_in_send(backend, address):
     os._exit(3)
 
 
+def receive_then_wait(backend, connections, count):
+    """Accept `connections` endpoints, receive one message with recv() on each
+    of the first `count`, saying each one's sha256; then say 'waiting' and
+    wait to be killed with the other messages still unreceived."""
+    fab = fabric.Fabric(backend, **SMALL)
+    lst = fab.listen("127.0.0.1:0")
+    say(lst.address)
+    eps = [lst.accept(timeout=60) for _ in range(int(connections))]
+    for ep in eps[:int(count)]:
+        say(hashlib.sha256(ep.recv(timeout=60)).hexdigest())
+    say("waiting")
+    time.sleep(120)
+
+
 def tls_sender(backend, address, ca_path, size):
     """Connect over TLS and start sending one big message, then wait to be
     killed."""

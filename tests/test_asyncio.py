@@ -313,3 +313,72 @@ def test_a_busy_loops_large_sends_are_served_while_it_computes(backend_name, rec
         assert fab.progress_stats["busy_loop_rounds"] > before
     fab.close()
     other.close()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("connections", [1, 200])
+def test_a_busy_loops_peer_killed_mid_pull_fails_what_it_had_not_taken(backend_name, connections,
+                                                                     peer_factory):
+    """A loop that does not yield has large sends in flight to a peer process
+    on `connections` connections; the peer receives half of them (its pulls
+    served while the loop computes), then is killed with SIGKILL. What it took
+    arrived intact; every other send fails within seconds of the kill, none
+    hangs, and the loop's Fabric carries on."""
+    import hashlib
+    import json
+    import threading
+    import time
+
+    size = 256 << 10
+    taken = connections // 2
+    messages = [np.random.default_rng(i).integers(0, 255, size, dtype=np.uint8).tobytes()
+                for i in range(connections)]
+    digests = {hashlib.sha256(m).hexdigest() for m in messages}
+    # the peer pulls nothing ahead of its recv() calls (its budget is below one message)
+    peer = peer_factory("receive_then_wait", connections, taken, backend=backend_name,
+                        env={"FABRIC_TEST_OPTIONS": json.dumps({"recv_budget": 64 << 10})})
+    fab = fabric.Fabric(backend_name, **small_options())
+    clients = [fab.connect(peer.first_line, timeout=60) for _ in range(connections)]
+    said, killed = [], []
+
+    def watch_and_kill():
+        while True:
+            line = peer.read_line(timeout=90)
+            if line != "waiting" and line:
+                said.append(line)
+                continue
+            break
+        peer.kill()
+        killed.append(time.monotonic())
+
+    async def main():
+        watching = asyncio.ensure_future(clients[0].arecv())     # the loop polls the Fabric
+        for _ in range(3):
+            await asyncio.sleep(0)
+        before = fab.progress_stats["busy_loop_rounds"]
+        requests = [c.isend(m) for c, m in zip(clients, messages)]
+        thread = threading.Thread(target=watch_and_kill, daemon=True)
+        thread.start()
+        thread.join(120)                       # the loop does not run meanwhile
+        assert not thread.is_alive(), "the peer waited for a loop that was not polling"
+        outcomes = []
+        for req in requests:
+            try:
+                await asyncio.wait_for(req, 30)
+                outcomes.append("sent")
+            except fabric.FabricError:
+                outcomes.append("failed")
+        settled = time.monotonic()
+        watching.cancel()
+        return before, outcomes, settled
+
+    before, outcomes, settled = asyncio.run(main())
+    assert len(said) == taken and set(said) <= digests
+    assert outcomes.count("sent") >= taken and outcomes.count("failed") >= 1
+    assert settled - killed[0] < 15, "a send to the killed peer waited past its death"
+    if taken and "reads_served" in fab.backend.capabilities:
+        assert fab.progress_stats["busy_loop_rounds"] > before
+    a, b = connect_pair(fab)                   # the Fabric carries on
+    a.send(b"after")
+    assert bytes(b.recv(timeout=10)) == b"after"
+    fab.close()

@@ -222,14 +222,22 @@ class _Work(dist._Work):
 class PointToPoint:
     """send, recv and recv_anysource of FabricProcessGroup."""
 
-    def send(self, tensors, dst_rank, tag):
+    def _begin(self, tensors, rank, name):
+        """What every point-to-point call checks first: its future, and a
+        Work already failed if the group was destroyed (else None)."""
         self._check_devices(tensors)
-        self._check_peer(dst_rank)
+        self._check_peer(rank)
         fut = torch.futures.Future()
+        if not self._closed:
+            return fut, None
+        fut.set_exception(FabricPGError(f"fabric process group: {name} after the group was destroyed"))
+        return fut, _Work(fut)
+
+    def send(self, tensors, dst_rank, tag):
         name = f"send to rank {dst_rank} (tag {tag})"
-        if self._closed:
-            fut.set_exception(FabricPGError(f"fabric process group: {name} after the group was destroyed"))
-            return _Work(fut)
+        fut, failed = self._begin(tensors, dst_rank, name)
+        if failed is not None:
+            return failed
         staged = [_contiguous(t) for t in tensors]          # kept alive until sent
         try:
             reqs = [req for t in staged for req in self._send(dst_rank, (P2P, tag, 0), _byte_view(t))]
@@ -240,13 +248,10 @@ class PointToPoint:
         return _Work(fut)
 
     def recv(self, tensors, src_rank, tag):
-        self._check_devices(tensors)
-        self._check_peer(src_rank)
-        fut = torch.futures.Future()
         name = f"recv from rank {src_rank} (tag {tag})"
-        if self._closed:
-            fut.set_exception(FabricPGError(f"fabric process group: {name} after the group was destroyed"))
-            return _Work(fut)
+        fut, failed = self._begin(tensors, src_rank, name)
+        if failed is not None:
+            return failed
         staged = [_contiguous(t) for t in tensors]
         remaining = [len(staged)]
         lock = threading.Lock()
@@ -259,8 +264,7 @@ class PointToPoint:
                     return
             failed = next((w.error for w in waiters if w.error is not None), None)
             if failed is not None:
-                fut.set_exception(FabricPGError(failed if failed.startswith("fabric process group")
-                                                else f"fabric process group: {name}: {failed}"))
+                fut.set_exception(_failure(name, failed))
                 return
             for t, s in zip(tensors, staged):
                 if s is not t:
@@ -307,8 +311,7 @@ class PointToPoint:
                     claim.winner = -1                 # every rank failed: the receive fails
                 elif claim.winner != waiter.source:
                     return                            # another rank may still send, or already did
-            fut.set_exception(FabricPGError(waiter.error if waiter.error.startswith("fabric process group")
-                                            else f"fabric process group: {name}: {waiter.error}"))
+            fut.set_exception(_failure(name, waiter.error))
 
         waiters = [(p, _Waiter(_byte_view(staged), then, claim, rank)) for rank, p in sorted(self._peers.items())]
         for p, w in waiters:
@@ -352,6 +355,12 @@ class PointToPoint:
                 for peer, w in waiters:
                     if not w.done.is_set() and peer.cancel(key, w):
                         w.fail(f"fabric process group: {name} timed out after {self._timeout:g} s")
+
+
+def _failure(name: str, error: str) -> FabricPGError:
+    """A waiter's error as the error of the call `name` (said once)."""
+    return FabricPGError(error if error.startswith("fabric process group")
+                         else f"fabric process group: {name}: {error}")
 
 
 def _settled(waiters) -> bool:
