@@ -56,6 +56,22 @@ def _address(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
+def _group_fabric() -> fabric.Fabric:
+    """The group's Fabric. On fabrics whose large transfers this side's CPU
+    serves (tcp) its receives are pulled, not posted (a rank's reader offers
+    each tensor's buffer only once the transfer's header has arrived): a
+    two-rank all_reduce of 16 MiB ran at 0.65-0.70x gloo posted against
+    1.06-1.07x pulled, alternating runs (bench/RESULTS.md, session 19; why
+    posting loses here is not isolated). FABRIC_POSTED_RECEIVES decides when
+    it is set."""
+    name = os.environ.get("FABRIC_BACKEND") or None
+    options = {}
+    backend, _ = fabric.backends.choose(name or "auto")
+    if "reads_served" in backend.capabilities and "FABRIC_POSTED_RECEIVES" not in os.environ:
+        options["posted_receives"] = 0
+    return fabric.Fabric(name, **options)
+
+
 class FabricProcessGroup(Collectives, PointToPoint, dist.ProcessGroup):
     """A torch.distributed process group over fabric (see the module doc)."""
 
@@ -71,7 +87,7 @@ class FabricProcessGroup(Collectives, PointToPoint, dist.ProcessGroup):
         self._chunk = _env_bytes("FABRIC_TORCH_CHUNK", 0)             # 0: by segment size
         self._ring_min = _env_bytes("FABRIC_TORCH_RING_MIN", -1)       # -1: the fabric's own
         self._early_max = _env_bytes("FABRIC_TORCH_EARLY_MAX", EARLY_MAX)
-        self._fabric = fabric.Fabric(os.environ.get("FABRIC_BACKEND") or None)
+        self._fabric = _group_fabric()
         if self._ring_min < 0:
             self._ring_min = _ring_min_for(self._fabric.backend.capabilities, size)
         self._peers: dict[int, _Peer] = {}
