@@ -2,6 +2,7 @@
 
     python tools/softroce.py [options] -- COMMAND [ARGS...]
     python tools/softroce.py --host -- COMMAND      # real machine whose kernel has rdma_rxe
+    python tools/softroce.py --guests 2 -- CMD_ON_FIRST ::: CMD_ON_SECOND
 
 Guest mode (default) boots Debian's kernel under QEMU with software emulation
 (TCG: this machine's KVM cannot run stock kernels), shares the host's `/`
@@ -11,6 +12,14 @@ no NIC, nothing leaves it), then runs COMMAND in the same working directory
 with the same environment (so the same venv), streams its output and exits
 with its exit code. It powers the guest off afterwards; `--timeout` bounds the
 whole run. Host mode only creates rxe0 on a dummy netdev and runs COMMAND.
+
+Two guests (--guests 2) are joined by a virtual Ethernet link: QEMU's stream
+netdev over a unix socket between the two QEMU processes (lossless, in order,
+MTU 9000; no host networking). Each has rxe0 on its virtio NIC, 192.0.2.1 and
+192.0.2.2, and runs its own command with FABRIC_GUEST_ADDR (its address) and
+FABRIC_PEER_ADDR set; output lines carry [1] or [2]. The exit code is the
+first failing command's (0 if both pass); once one command has failed, the
+other guest is stopped after 30 s.
 
 Needs (installed by tools/setup.sh --softroce): qemu-system-x86, linux-image-amd64,
 busybox-static, rdma-core, ibverbs-utils. Facts and timings: ../shared/FACTS.md.
@@ -108,14 +117,14 @@ J=/run/fabric-job
 finish() { echo "$1" > $J/exit; sync; echo o > /proc/sysrq-trigger; sleep 30; }
 for m in {rdma_modules}; do modprobe "$m" || { echo "softroce: modprobe $m failed" >> $J/output; finish 97; }; done
 ip link set lo up
-ip link add sr0 type dummy && ip link set sr0 mtu {mtu} && ip addr add {guest_ip} dev sr0 && ip link set sr0 up || finish 97
-rdma link add rxe0 type rxe netdev sr0 || { echo "softroce: rdma link add failed" >> $J/output; finish 97; }
+{net_setup}
+rdma link add rxe0 type rxe netdev $NETDEV || { echo "softroce: rdma link add failed" >> $J/output; finish 97; }
 i=0
 while [ "$(cat /sys/class/infiniband/rxe0/ports/1/state 2>/dev/null)" != "4: ACTIVE" ]; do
     i=$((i+1)); [ $i -gt 200 ] && { echo "softroce: rxe0 never became ACTIVE" >> $J/output; finish 97; }
     sleep 0.05
 done
-echo "softroce: rxe0 ACTIVE on sr0 ($(uname -r))" >> $J/output
+echo "softroce: rxe0 ACTIVE on $NETDEV ($(uname -r))" >> $J/output
 . $J/env.sh
 export FABRIC_IN_SOFTROCE_GUEST=1
 cd {cwd} || finish 98
@@ -154,90 +163,199 @@ def build_initramfs(kver: str, cache_dir: str) -> str:
     return path
 
 
-def run_guest(command: list[str], timeout: float, memory: int, cpus: int, verbose: bool,
-              mtu: int = 9000) -> int:
-    qemu = shutil.which("qemu-system-x86_64")
-    if qemu is None:
-        raise HarnessError("qemu-system-x86_64 is missing (apt-get install qemu-system-x86)")
-    kernel, kver = newest_kernel()
-    cache = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "fabric", "softroce")
-    initrd = build_initramfs(kver, cache)
-    job = tempfile.mkdtemp(prefix="softroce-")
-    try:
+# How stage 2 makes the netdev under rxe0 ($NETDEV). One guest: a dummy
+# netdev (rxe talks to itself). Two guests: the virtio NIC on the wire, found
+# by the MAC address QEMU gave it.
+DUMMY_NET = """NETDEV=sr0
+ip link add sr0 type dummy && ip link set sr0 mtu {mtu} && ip addr add {guest_ip} dev sr0 && ip link set sr0 up || finish 97"""
+WIRE_NET = """modprobe virtio_net || { echo "softroce: modprobe virtio_net failed" >> $J/output; finish 97; }
+NETDEV=""
+for d in /sys/class/net/*; do [ "$(cat $d/address)" = "{mac}" ] && NETDEV=$(basename $d); done
+[ -n "$NETDEV" ] || { echo "softroce: no NIC with MAC {mac}" >> $J/output; finish 97; }
+ip link set $NETDEV mtu {mtu} && ip addr add {guest_ip} dev $NETDEV && ip link set $NETDEV up || finish 97"""
+WIRE_ADDRS = ("192.0.2.1", "192.0.2.2")
+
+
+class Guest:
+    """One QEMU guest running one command; its output is relayed as it comes."""
+
+    def __init__(self, command: list[str], memory: int, cpus: int, mtu: int,
+                 net_setup: str = DUMMY_NET, nic: tuple[str, ...] = ("-nic", "none"),
+                 guest_ip: str = GUEST_IP, env: dict[str, str] | None = None, label: str = ""):
+        qemu = shutil.which("qemu-system-x86_64")
+        if qemu is None:
+            raise HarnessError("qemu-system-x86_64 is missing (apt-get install qemu-system-x86)")
+        kernel, kver = newest_kernel()
+        cache = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "fabric", "softroce")
+        initrd = build_initramfs(kver, cache)
+        self.label = label
+        self.job = tempfile.mkdtemp(prefix="softroce-")
         env_lines = []
-        for k, v in os.environ.items():
+        for k, v in {**os.environ, **(env or {})}.items():
             if k.isidentifier() and not k.startswith(("BASH_FUNC",)) and k not in ("PWD", "OLDPWD", "SHLVL", "_"):
                 env_lines.append(f"export {k}={shlex.quote(v)}")
-        with open(os.path.join(job, "env.sh"), "w") as f:
+        with open(os.path.join(self.job, "env.sh"), "w") as f:
             f.write("\n".join(env_lines) + "\n")
-        with open(os.path.join(job, "stage2.sh"), "w") as f:
-            f.write(STAGE2.replace("{rdma_modules}", " ".join(RDMA_MODULES))
-                    .replace("{guest_ip}", GUEST_IP)
+        with open(os.path.join(self.job, "stage2.sh"), "w") as f:
+            f.write(STAGE2.replace("{net_setup}", net_setup)
+                    .replace("{rdma_modules}", " ".join(RDMA_MODULES))
+                    .replace("{guest_ip}", guest_ip)
                     .replace("{mtu}", str(mtu))
                     .replace("{cwd}", shlex.quote(os.getcwd()))
                     .replace("{command}", " ".join(shlex.quote(c) for c in command)))
-        open(os.path.join(job, "output"), "w").close()
-        serial = os.path.join(job, "serial.log")
+        self.out_path = os.path.join(self.job, "output")
+        self.exit_path = os.path.join(self.job, "exit")
+        self.serial = os.path.join(self.job, "serial.log")
+        open(self.out_path, "w").close()
         # -cpu max: the default qemu64 model lacks SSE4.2 and friends, which
         # numpy (x86-64-v2 baseline) needs; TCG emulates them.
         cmd = [qemu, "-accel", "tcg,thread=multi", "-cpu", "max", "-smp", str(cpus), "-m", str(memory),
                "-kernel", kernel, "-initrd", initrd,
                "-append", "console=ttyS0 panic=-1 rdinit=/init loglevel=4",
-               "-display", "none", "-serial", f"file:{serial}", "-monitor", "none",
-               "-no-reboot", "-nic", "none",
+               "-display", "none", "-serial", f"file:{self.serial}", "-monitor", "none",
+               "-no-reboot", *nic,
                "-fsdev", "local,id=hostroot,path=/,security_model=none,readonly=on,multidevs=remap",
                "-device", "virtio-9p-pci,fsdev=hostroot,mount_tag=hostroot",
-               "-fsdev", f"local,id=job,path={job},security_model=none,multidevs=remap",
+               "-fsdev", f"local,id=job,path={self.job},security_model=none,multidevs=remap",
                "-device", "virtio-9p-pci,fsdev=job,mount_tag=job"]
-        started = time.monotonic()
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE)
-        pos = 0
-        code = None
-        out_path = os.path.join(job, "output")
-        exit_path = os.path.join(job, "exit")
-        while True:
-            with open(out_path, "rb") as f:
-                f.seek(pos)
-                chunk = f.read()
-            if chunk:
-                pos += len(chunk)
-                sys.stdout.buffer.write(chunk)
-                sys.stdout.flush()
-            if os.path.exists(exit_path):
-                text = open(exit_path).read().strip()
-                if text:
-                    code = int(text)
-            if proc.poll() is not None:
-                break
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE)
+        self.pos = 0
+        self.line_start = True
+        self.code: int | None = None
+
+    def relay(self) -> None:
+        """Copy what the command printed since the last call to stdout."""
+        with open(self.out_path, "rb") as f:
+            f.seek(self.pos)
+            chunk = f.read()
+        if not chunk:
+            return
+        self.pos += len(chunk)
+        if self.label:
+            # a label opens every line, not every chunk (a chunk may end mid-line)
+            lines = chunk.splitlines(keepends=True)
+            chunk = b"".join((self.label.encode() if i or self.line_start else b"") + line
+                             for i, line in enumerate(lines))
+            self.line_start = chunk.endswith(b"\n")
+        sys.stdout.buffer.write(chunk)
+        sys.stdout.flush()
+
+    def exit_code(self) -> int | None:
+        if os.path.exists(self.exit_path):
+            text = open(self.exit_path).read().strip()
+            if text:
+                return int(text)
+        return None
+
+    def running(self) -> bool:
+        self.relay()
+        if self.code is None:
+            self.code = self.exit_code()
+        return self.proc.poll() is None
+
+    def stop(self, code: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.code = code
+
+    def finish(self, verbose: bool) -> int:
+        """The command's exit code (99: the guest stopped without one); removes the job."""
+        try:
+            self.relay()
+            if self.code is None:
+                self.code = self.exit_code()
+            if self.code is None:
+                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                tail = open(self.serial, errors="replace").read()[-3000:] if os.path.exists(self.serial) else ""
+                print(f"softroce: {self.label}the guest stopped without an exit code.\nqemu: {err}\nserial:\n{tail}",
+                      file=sys.stderr)
+                return 99
+            if verbose:
+                print(f"softroce: {self.label}guest done in {time.monotonic() - self.started:.1f} s, exit {self.code}",
+                      file=sys.stderr)
+            return self.code
+        finally:
+            shutil.rmtree(self.job, ignore_errors=True)
+
+
+FAILED_PEER_GRACE = 30.0      # seconds a guest may run on once the other's command failed
+
+
+def watch(guests: list[Guest], timeout: float, verbose: bool) -> list[int]:
+    """Relay the guests' output until all have stopped (or the timeout stops
+    them). Once one guest's command failed, the others get FAILED_PEER_GRACE
+    seconds: a server whose client died would otherwise wait for the timeout."""
+    started = time.monotonic()
+    try:
+        while any([g.running() for g in guests]):
+            failed = [g for g in guests if g.code not in (None, 0)]
+            if len(guests) > 1 and failed:
+                grace_end = time.monotonic() - started + FAILED_PEER_GRACE
+                if grace_end < timeout:
+                    timeout = grace_end
+                    print(f"softroce: {failed[0].label}failed; the other guest has {FAILED_PEER_GRACE:.0f} s",
+                          file=sys.stderr)
             if time.monotonic() - started > timeout:
-                print(f"softroce: timed out after {timeout:.0f} s; stopping the guest", file=sys.stderr)
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                code = 124
+                print(f"softroce: timed out after {timeout:.0f} s; stopping the guest"
+                      + ("s" if len(guests) > 1 else ""), file=sys.stderr)
+                for g in guests:
+                    if g.proc.poll() is None:
+                        g.stop(124)
                 break
             time.sleep(0.2)
-        with open(out_path, "rb") as f:
-            f.seek(pos)
-            sys.stdout.buffer.write(f.read())
-            sys.stdout.flush()
-        if code is None and os.path.exists(exit_path):
-            text = open(exit_path).read().strip()
-            code = int(text) if text else None
-        if code is None:
-            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-            tail = open(serial, errors="replace").read()[-3000:] if os.path.exists(serial) else ""
-            print(f"softroce: the guest stopped without an exit code.\nqemu: {err}\nserial:\n{tail}",
-                  file=sys.stderr)
-            return 99
-        if verbose:
-            print(f"softroce: guest done in {time.monotonic() - started:.1f} s, exit {code}", file=sys.stderr)
-        return code
     finally:
-        shutil.rmtree(job, ignore_errors=True)
+        for g in guests:
+            if g.proc.poll() is None:
+                g.stop(124)
+    return [g.finish(verbose) for g in guests]
+
+
+def run_guest(command: list[str], timeout: float, memory: int, cpus: int, verbose: bool,
+              mtu: int = 9000) -> int:
+    return watch([Guest(command, memory, cpus, mtu)], timeout, verbose)[0]
+
+
+def run_wire(commands: list[list[str]], timeout: float, memory: int, cpus: int, verbose: bool,
+             mtu: int = 9000) -> int:
+    """Two guests joined by a virtual Ethernet link (QEMU's stream netdev over
+    a unix socket: lossless, in order), each with rxe0 on its NIC, addresses
+    192.0.2.1 and 192.0.2.2; each command sees FABRIC_GUEST_ADDR and
+    FABRIC_PEER_ADDR. Non-zero if either command fails."""
+    wire_dir = tempfile.mkdtemp(prefix="softroce-wire-")
+    sock = os.path.join(wire_dir, "wire.sock")
+    guests: list[Guest] = []
+    try:
+        for i, command in enumerate(commands):
+            mac = f"52:54:00:00:02:{i + 1:02x}"
+            mine, peer = WIRE_ADDRS[i], WIRE_ADDRS[1 - i]
+            side = "server=on" if i == 0 else "server=off"
+            nic = ("-netdev", f"stream,id=wire,{side},addr.type=unix,addr.path={sock}",
+                   "-device", f"virtio-net-pci,netdev=wire,mac={mac}")
+            guests.append(Guest(command, memory, cpus, mtu, WIRE_NET.replace("{mac}", mac), nic,
+                                f"{mine}/24", {"FABRIC_GUEST_ADDR": mine, "FABRIC_PEER_ADDR": peer},
+                                label=f"[{i + 1}] "))
+            if i == 0:
+                deadline = time.monotonic() + 30       # the second guest connects to the first's socket
+                while not os.path.exists(sock):
+                    if guests[0].proc.poll() is not None or time.monotonic() > deadline:
+                        raise HarnessError("the first guest never opened the wire's socket")
+                    time.sleep(0.05)
+        codes = watch(guests, timeout, verbose)
+        guests = []
+        # a command's own failure says more than the stop (124) it caused in the other guest
+        return next((c for c in codes if c not in (0, 124)), next((c for c in codes if c), 0))
+    finally:
+        for g in guests:
+            g.stop(124)
+            g.finish(verbose)
+        shutil.rmtree(wire_dir, ignore_errors=True)
 
 
 def run_host(command: list[str], timeout: float) -> int:
@@ -261,6 +379,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cpus", type=int, default=2)
     ap.add_argument("--mtu", type=int, default=9000,
                     help="MTU of the dummy netdev under rxe0 (9000 gives rxe a 4096-byte path MTU)")
+    ap.add_argument("--guests", type=int, default=1, choices=(1, 2),
+                    help="2: two guests on a virtual wire; the command is CMD_ON_FIRST ::: CMD_ON_SECOND")
     ap.add_argument("--check", action="store_true", help="only say whether the harness can run here")
     ap.add_argument("-v", "--verbose", action="store_true")
     ap.add_argument("command", nargs="*")
@@ -280,6 +400,14 @@ def main(argv=None) -> int:
             ap.error("give a command after --")
         if args.host:
             return run_host(args.command, args.timeout)
+        if args.guests == 2:
+            if args.command.count(":::") != 1:
+                ap.error("with --guests 2 give CMD_ON_FIRST ::: CMD_ON_SECOND")
+            cut = args.command.index(":::")
+            first, second = args.command[:cut], args.command[cut + 1:]
+            if not first or not second:
+                ap.error("with --guests 2 give CMD_ON_FIRST ::: CMD_ON_SECOND")
+            return run_wire([first, second], args.timeout, args.memory, args.cpus, args.verbose, args.mtu)
         return run_guest(args.command, args.timeout, args.memory, args.cpus, args.verbose, args.mtu)
     except HarnessError as e:
         print(f"softroce: {e}", file=sys.stderr)
