@@ -33,3 +33,31 @@ def test_guest_has_an_active_rxe_device_and_reports_exit_codes():
                        cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert r.returncode == 42, f"guest said {r.returncode}:\n{r.stdout}\n{r.stderr}"
     assert "rxe0 ACTIVE" in r.stdout
+
+
+@pytest.mark.timeout(400)
+def test_two_guests_on_a_wire_carry_verbs_and_tcp_and_report_failures():
+    """--guests 2: rxe between two GIDs (RC) and tcp across the virtual link,
+    messages of every protocol's sizes checked; a failing command on either
+    side is the run's exit code."""
+    if os.environ.get("FABRIC_IN_SOFTROCE_GUEST"):
+        pytest.skip("already inside the Soft-RoCE guest (no nested QEMU)")
+    ok, why = harness_ready()
+    if not ok:
+        pytest.skip(f"Soft-RoCE guest cannot run here: {why}")
+    peer = os.path.join(ROOT, "tests", "wire_peer.py")
+
+    def side(role):
+        return ["sh", "-c", f"{sys.executable} {peer} verbs {role} && {sys.executable} {peer} tcp {role}"]
+
+    # one vCPU each: the host suite runs beside them on the same 2 cores
+    r = subprocess.run([sys.executable, HARNESS, "--guests", "2", "--cpus", "1", "--timeout", "300", "--",
+                        *side("server"), ":::", *side("client")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=340)
+    assert r.returncode == 0, f"guests said {r.returncode}:\n{r.stdout}\n{r.stderr}"
+    for line in ("[1] verbs server ok", "[2] verbs client ok", "[1] tcp server ok", "[2] tcp client ok"):
+        assert line in r.stdout, r.stdout
+    r = subprocess.run([sys.executable, HARNESS, "--guests", "2", "--cpus", "1", "--timeout", "120", "--",
+                        "true", ":::", "sh", "-c", "exit 7"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=160)
+    assert r.returncode == 7, (r.returncode, r.stdout, r.stderr)
