@@ -247,6 +247,15 @@ def test_first_wait_of_a_loop_sees_what_arrived_while_it_attached(backend_name, 
     other.close()
 
 
+async def _outcome(req, timeout=30):
+    """'sent' or 'failed': how a request ended, waited for at most `timeout` s."""
+    try:
+        await asyncio.wait_for(req, timeout)
+        return "sent"
+    except fabric.FabricError:
+        return "failed"
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("connections", [1, 64])
 @pytest.mark.parametrize("receiver", ["recv", "recv_into", "closes_halfway"])
@@ -291,13 +300,7 @@ def test_a_busy_loops_large_sends_are_served_while_it_computes(backend_name, rec
         thread.join(90)                        # the loop is blocked until its peers are done
         assert not thread.is_alive(), "the peers waited for a loop that was not polling"
         assert got == messages[:len(got)]
-        outcomes = []
-        for req in requests:
-            try:
-                await asyncio.wait_for(req, 30)
-                outcomes.append("sent")
-            except fabric.FabricError:
-                outcomes.append("failed")
+        outcomes = [await _outcome(req) for req in requests]
         watching.cancel()
         return before, outcomes
 
@@ -361,13 +364,7 @@ def test_a_busy_loops_peer_killed_mid_pull_fails_what_it_had_not_taken(backend_n
         thread.start()
         thread.join(120)                       # the loop does not run meanwhile
         assert not thread.is_alive(), "the peer waited for a loop that was not polling"
-        outcomes = []
-        for req in requests:
-            try:
-                await asyncio.wait_for(req, 30)
-                outcomes.append("sent")
-            except fabric.FabricError:
-                outcomes.append("failed")
+        outcomes = [await _outcome(req) for req in requests]
         settled = time.monotonic()
         watching.cancel()
         return before, outcomes, settled
