@@ -731,7 +731,6 @@ cdef int tcp_poll(fab_channel* ch, fab_completion* out, int max_events) noexcept
     cdef size_t avail, take
     cdef ssize_t got
     cdef tcp_read* rd
-    cdef tcp_send* s
     if ch.failed:
         return emit(out, 0, FAB_EV_FAILED, -ch.failed, 0, NULL, 0)
     if flush_sends(c) < 0:

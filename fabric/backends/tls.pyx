@@ -344,7 +344,7 @@ cdef int handshake(tls_session* t, char* error, size_t error_len) noexcept nogil
 cdef Py_ssize_t tls_sendv(void* tp, iovec* iov, int iovcnt, char* error, size_t error_len) noexcept nogil:
     cdef tls_session* t = <tls_session*>tp
     cdef size_t total = 0, done = 0, n
-    cdef int i, r, f
+    cdef int i, r
     r = handshake(t, error, error_len)
     if r <= 0:
         return -1
@@ -362,11 +362,7 @@ cdef Py_ssize_t tls_sendv(void* tp, iovec* iov, int iovcnt, char* error, size_t 
         if r > 0:
             t.want_write = 0
             return r
-        f = failure(t, r, "TLS send", error, error_len)
-        if f == 1:
-            set_errno(EPIPE)
-            return -1
-        return -1
+        return wait_or_fail(t, r, 0, error, error_len)
     # A large send goes record by record (OpenSSL writes one per call in
     # partial-write mode), straight from the caller's memory. (MSG_MORE on
     # all but the last record, for larger segments, cost the sender 35% more
@@ -380,7 +376,7 @@ cdef int write_records(tls_session* t, iovec* iov, int iovcnt, size_t total, siz
     """Write iov from its start as records; done counts the bytes taken.
     0 when all went or the socket filled after some; -1 (errno) otherwise."""
     cdef size_t n, off, took = 0
-    cdef int i = 0, r, f
+    cdef int i = 0, r
     if iov[0].iov_len < GATHER:
         # a frame header before its payload: both open one full record
         while i < iovcnt and took < GATHER:
