@@ -13,6 +13,7 @@ import pytest
 
 import fabric
 from fabric import backends
+from wire_agent import RemoteProcess, agent_address
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -139,17 +140,29 @@ def pair(fab):
     server.close(linger=0)
 
 
+# Across the wire (tools/softroce.py --guests 2, tests/wire_agent.py) peers
+# run on the other host, and what a test offers them listens on this host's
+# address on the link instead of loopback.
+WIRE_AGENT = agent_address()
+PEER_FACING_HOST = os.environ.get("FABRIC_GUEST_ADDR", "127.0.0.1") if WIRE_AGENT else "127.0.0.1"
+PEER_FACING = f"{PEER_FACING_HOST}:0"
+
+
 class Peer:
     """A peer in another OS process (tests/peers.py); its first stdout line
-    is its address or 'ready'."""
+    is its address or 'ready'. Across the wire the process runs on the other
+    host (proc is then a wire_agent.RemoteProcess)."""
 
     def __init__(self, role, *args, backend="tcp", env=None):
         cmd = [sys.executable, os.path.join(HERE, "peers.py"), role, backend, *map(str, args)]
-        full_env = dict(os.environ)
-        full_env["PYTHONPATH"] = ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
-        full_env.update(env or {})
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=full_env)
+        if WIRE_AGENT:
+            self.proc = RemoteProcess(cmd, env)
+        else:
+            full_env = dict(os.environ)
+            full_env["PYTHONPATH"] = ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
+            full_env.update(env or {})
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         text=True, env=full_env)
         line = self.read_line(timeout=120)
         if not line:
             err = self.proc.stderr.read()
@@ -161,6 +174,8 @@ class Peer:
         # byte by byte from the descriptor: a buffered readline could take the
         # lines after it too, and communicate() (in wait) reads the descriptor
         # itself, so those lines were lost to the test
+        if WIRE_AGENT:
+            return self.proc.read_line(timeout).strip()
         import select
         raw = bytearray()
         end = time.monotonic() + timeout
@@ -196,6 +211,8 @@ class Peer:
         self.proc.wait()
         for f in (self.proc.stdout, self.proc.stderr):
             f.close()
+        if WIRE_AGENT:
+            self.proc.close()
 
 
 @pytest.fixture
@@ -210,3 +227,18 @@ def peer_factory():
     yield make
     for p in peers:
         p.__exit__(None, None, None)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Across the wire only what crosses it runs: the tests whose peer is
+    another process (run on the other host) and the wire suite itself; a
+    test with both ends in this process would only loop back here."""
+    if not WIRE_AGENT:
+        return
+    keep, drop = [], []
+    for item in items:
+        crosses = "peer_factory" in getattr(item, "fixturenames", ()) or item.module.__name__.endswith("test_wire")
+        (keep if crosses else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

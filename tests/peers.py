@@ -14,6 +14,9 @@ SMALL = dict(eager_limit=4096, chunk_size=16384, chunks_in_flight=3, coalesce_li
              credits=8, send_buffers=4, recv_budget=1 << 20, spin_us=20)
 SMALL.update(json.loads(os.environ.get("FABRIC_TEST_OPTIONS", "{}")))
 FAULT = os.environ.pop("FABRIC_FAULT_INJECT", "")
+# where the listening roles listen: loopback, or this host's address on the
+# wire when the tests run on another host (tests/wire_agent.py sets it)
+HERE_ANY = os.environ.get("FABRIC_TEST_HOST", "127.0.0.1") + ":0"
 
 
 def say(text):
@@ -23,7 +26,7 @@ def say(text):
 def echo(backend, count):
     """Listen, accept one endpoint, echo `count` messages, then close."""
     fab = fabric.Fabric(backend, **SMALL)
-    lst = fab.listen("127.0.0.1:0")
+    lst = fab.listen(HERE_ANY)
     say(lst.address)
     ep = lst.accept(timeout=30)
     for _ in range(int(count)):
@@ -60,7 +63,7 @@ def echo_client(backend, address, sizes):
 def digest_server(backend, count):
     """Receive `count` messages and answer with the sha256 of each."""
     fab = fabric.Fabric(backend, **SMALL)
-    lst = fab.listen("127.0.0.1:0")
+    lst = fab.listen(HERE_ANY)
     say(lst.address)
     ep = lst.accept(timeout=30)
     for _ in range(int(count)):
@@ -103,7 +106,7 @@ def faulty_sender(backend, address, size):
 def big_receiver(backend, size):
     """Accept, and start receiving one big message slowly: print, then sleep."""
     fab = fabric.Fabric(backend, **SMALL)
-    lst = fab.listen("127.0.0.1:0")
+    lst = fab.listen(HERE_ANY)
     say(lst.address)
     ep = lst.accept(timeout=30)
     time.sleep(60)
@@ -113,7 +116,7 @@ def count_then_signal(backend, count):
     """Accept two connections; once `count` messages arrived on the first,
     say so on the second (the sender waits on the second meanwhile)."""
     fab = fabric.Fabric(backend, **SMALL)
-    lst = fab.listen("127.0.0.1:0")
+    lst = fab.listen(HERE_ANY)
     say(lst.address)
     # accept() gives connections in the order their handshakes finish, not
     # the order they were made: each says which it is first
@@ -132,7 +135,7 @@ def accept_many(backend, count):
     """Accept `count` connections with plain accept(), echo one message on
     each, then report how many were served."""
     fab = fabric.Fabric(backend, **SMALL)
-    lst = fab.listen("127.0.0.1:0")
+    lst = fab.listen(HERE_ANY)
     say(lst.address)
     eps = [lst.accept(timeout=120) for _ in range(int(count))]
     for ep in eps:
@@ -152,7 +155,7 @@ def faulty(backend, address, scenario):
     if scenario != "serve_hello":
         say("starting")
     if scenario == "serve_hello":           # the victim connects to us
-        lst = fab.listen("127.0.0.1:0")
+        lst = fab.listen(HERE_ANY)
         say(lst.address)
         try:
             lst.accept(timeout=30)
@@ -223,9 +226,9 @@ def half_mac_listener(backend):
     and is killed before it answers with its own."""
     import socket
     lst = socket.socket()
-    lst.bind(("127.0.0.1", 0))
+    lst.bind((HERE_ANY.rsplit(":", 1)[0], 0))
     lst.listen(4)
-    say("127.0.0.1:%d" % lst.getsockname()[1])
+    say("%s:%d" % lst.getsockname()[:2])
     s, _ = lst.accept()
     assert len(hostile.read_exactly(s, 48)) == 48
     s.sendall(hostile.preamble(hostile.ACCEPTOR, True, backend))
@@ -278,7 +281,7 @@ def receive_then_wait(backend, connections, count):
     of the first `count`, saying each one's sha256; then say 'waiting' and
     wait to be killed with the other messages still unreceived."""
     fab = fabric.Fabric(backend, **SMALL)
-    lst = fab.listen("127.0.0.1:0")
+    lst = fab.listen(HERE_ANY)
     say(lst.address)
     eps = [lst.accept(timeout=60) for _ in range(int(connections))]
     for ep in eps[:int(count)]:
@@ -300,6 +303,37 @@ def tls_sender(backend, address, ca_path, size):
     say("sending")
     time.sleep(60)
     req.wait()
+
+
+def wire_server(backend):
+    """Echo every message on every connection until the peer closes it,
+    from asyncio: the other host's end of the wire suite (many connections
+    at once, every protocol's sizes). A connection that fails is reported
+    ("connection failed: ...") and the others go on."""
+    import asyncio
+
+    async def serve(ep):
+        try:
+            while True:
+                await ep.asend(await ep.arecv(timeout=3600))
+        except fabric.ConnectionClosed:
+            pass
+        except fabric.FabricError as e:
+            say(f"connection failed: {type(e).__name__}: {e}")
+        finally:
+            ep.close(linger=0)
+
+    async def main():
+        fab = fabric.Fabric(backend, **SMALL)
+        lst = fab.listen(HERE_ANY)
+        say(lst.address)
+        tasks = set()
+        while True:
+            task = asyncio.ensure_future(serve(await lst.aaccept(timeout=3600)))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    asyncio.run(main())
 
 
 if __name__ == "__main__":

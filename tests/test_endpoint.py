@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import fabric
 from fabric.protocol import engine
-from conftest import connect_pair, small_options
+from conftest import PEER_FACING, connect_pair, small_options
 
 EAGER = small_options()["eager_limit"]
 CHUNK = small_options()["chunk_size"]
@@ -431,7 +431,7 @@ def test_two_processes_echo_all_protocols(backend_name, peer_factory):
 def test_peer_killed_mid_rendezvous_fails_pending_ops(backend_name, peer_factory):
     """Receiver side: the sender dies while its big message is being pulled."""
     fab = fabric.Fabric(backend_name, **small_options())
-    lst = fab.listen("127.0.0.1:0")
+    lst = fab.listen(PEER_FACING)
     # many small chunks, one in flight: the transfer takes long enough to be cut
     peer = peer_factory("big_sender", lst.address, 256 << 20, backend=backend_name,
                         env={"FABRIC_TEST_OPTIONS": '{"chunk_size": 4096, "chunks_in_flight": 1, "native_min": 0}'})
@@ -697,7 +697,7 @@ def test_peer_offering_a_bad_key_or_range(backend_name, peer_factory, fault):
         pytest.skip("not exercised on ucx: unpacking a forged packed rkey is not defined to fail "
                     "safely in UCX (its rkeys are opaque blobs the peer must trust)")
     fab = fabric.Fabric(backend_name, **small_options())
-    lst = fab.listen("127.0.0.1:0")
+    lst = fab.listen(PEER_FACING)
     peer = peer_factory("faulty_sender", lst.address, 3 * CHUNK, backend=backend_name,
                         env={"FABRIC_FAULT_INJECT": fault})
     ep = lst.accept(timeout=60)

@@ -14,7 +14,7 @@ import threading
 import pytest
 
 import fabric
-from conftest import small_options
+from conftest import PEER_FACING, small_options
 
 CHUNK = small_options()["chunk_size"]
 ACTIONS = ["die", "garbage"]
@@ -56,7 +56,7 @@ def still_serves(fab, lst, backend_name):
 @pytest.fixture
 def victim(backend_name):
     fab = fabric.Fabric(backend_name, **small_options(handshake_timeout=3.0))
-    lst = fab.listen()
+    lst = fab.listen(PEER_FACING)
     yield fab, lst
     fab.close(linger=0)
 

@@ -20,7 +20,7 @@ import time
 import pytest
 
 import fabric
-from conftest import connect_pair, small_options, wait_for
+from conftest import PEER_FACING, connect_pair, small_options, wait_for
 
 CHUNK = small_options()["chunk_size"]
 EAGER = small_options()["eager_limit"]
@@ -320,7 +320,7 @@ def test_a_peer_writing_outside_what_was_posted_fails_only_its_connection(postin
 def test_a_sender_killed_mid_write_fails_the_waiting_receive_promptly(posting, peer_factory):
     victim = fabric.Fabric(posting, **small_options())
     try:
-        lst = victim.listen("127.0.0.1:0")
+        lst = victim.listen(PEER_FACING)
         peer = peer_factory("faulty", lst.address, "send_when_posted", backend=posting,
                             env={"FABRIC_FAULT_INJECT": "die@put"})
         ep = lst.accept(timeout=HANG)

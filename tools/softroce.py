@@ -17,9 +17,11 @@ Two guests (--guests 2) are joined by a virtual Ethernet link: QEMU's stream
 netdev over a unix socket between the two QEMU processes (lossless, in order,
 MTU 9000; no host networking). Each has rxe0 on its virtio NIC, 192.0.2.1 and
 192.0.2.2, and runs its own command with FABRIC_GUEST_ADDR (its address) and
-FABRIC_PEER_ADDR set; output lines carry [1] or [2]. The exit code is the
-first failing command's (0 if both pass); once one command has failed, the
-other guest is stopped after 30 s.
+FABRIC_PEER_ADDR set (and FABRIC_WIRE_DEV, its NIC); output lines carry [1]
+or [2]. The exit code is the first failing command's (0 if both pass); once
+one command has failed, the other guest is stopped after 30 s. A command that
+creates the file $FABRIC_WIRE_KILL_PEER has the other guest's QEMU killed at
+once (a host that vanishes; that guest then counts as passed).
 
 Needs (installed by tools/setup.sh --softroce): qemu-system-x86, linux-image-amd64,
 busybox-static, rdma-core, ibverbs-utils. Facts and timings: ../shared/FACTS.md.
@@ -172,7 +174,8 @@ WIRE_NET = """modprobe virtio_net || { echo "softroce: modprobe virtio_net faile
 NETDEV=""
 for d in /sys/class/net/*; do [ "$(cat $d/address)" = "{mac}" ] && NETDEV=$(basename $d); done
 [ -n "$NETDEV" ] || { echo "softroce: no NIC with MAC {mac}" >> $J/output; finish 97; }
-ip link set $NETDEV mtu {mtu} && ip addr add {guest_ip} dev $NETDEV && ip link set $NETDEV up || finish 97"""
+ip link set $NETDEV mtu {mtu} && ip addr add {guest_ip} dev $NETDEV && ip link set $NETDEV up || finish 97
+export FABRIC_WIRE_DEV=$NETDEV FABRIC_WIRE_KILL_PEER=$J/kill-peer"""
 WIRE_ADDRS = ("192.0.2.1", "192.0.2.2")
 
 
@@ -224,6 +227,7 @@ class Guest:
         self.pos = 0
         self.line_start = True
         self.code: int | None = None
+        self.peer_killed = False
 
     def relay(self) -> None:
         """Copy what the command printed since the last call to stdout."""
@@ -285,6 +289,22 @@ class Guest:
             shutil.rmtree(self.job, ignore_errors=True)
 
 
+def kill_on_request(guests: list[Guest]) -> None:
+    """A command that writes $FABRIC_WIRE_KILL_PEER has the other guest's
+    QEMU killed (SIGKILL): a host that vanishes without a word, for the tests
+    of what its peers then see. The killed guest counts as passed."""
+    for g in guests:
+        if len(guests) > 1 and not g.peer_killed and os.path.exists(os.path.join(g.job, "kill-peer")):
+            g.peer_killed = True
+            for other in guests:
+                if other is not g and other.proc.poll() is None:
+                    other.proc.kill()
+                    other.proc.wait()
+                    other.code = 0
+                    print(f"softroce: {other.label}killed (SIGKILL to its QEMU), as {g.label.strip()} asked",
+                          file=sys.stderr)
+
+
 FAILED_PEER_GRACE = 30.0      # seconds a guest may run on once the other's command failed
 
 
@@ -295,6 +315,7 @@ def watch(guests: list[Guest], timeout: float, verbose: bool) -> list[int]:
     started = time.monotonic()
     try:
         while any([g.running() for g in guests]):
+            kill_on_request(guests)
             failed = [g for g in guests if g.code not in (None, 0)]
             if len(guests) > 1 and failed:
                 grace_end = time.monotonic() - started + FAILED_PEER_GRACE
