@@ -3,6 +3,7 @@ one side mid-call.
 
     python tests/grpc_peer.py serve sync|aio ADDRESS     # prints the port, serves until killed
     python tests/grpc_peer.py hang sync|aio TARGET N     # opens N calls that never end, prints "ready"
+    python tests/grpc_peer.py serve stock ADDRESS        # the same service on a stock grpcio server
 
 Service /peer.Peer: Echo (unary, the request back), Hang (unary that ends only
 when cancelled), Count (server streaming: the request's number of 8-byte
@@ -79,8 +80,9 @@ def aio_handlers():
 
 
 def serve(kind, address):
-    if kind == "sync":
-        server = fgrpc.server(futures.ThreadPoolExecutor(64), handlers=sync_handlers(), options=OPTIONS)
+    if kind in ("sync", "stock"):
+        make = grpc.server if kind == "stock" else fgrpc.server
+        server = make(futures.ThreadPoolExecutor(64), handlers=sync_handlers(), options=OPTIONS)
         port = server.add_insecure_port(address)
         server.start()
         print(port, flush=True)

@@ -61,3 +61,29 @@ def test_two_guests_on_a_wire_carry_verbs_and_tcp_and_report_failures():
                         "true", ":::", "sh", "-c", "exit 7"],
                        cwd=ROOT, capture_output=True, text=True, timeout=160)
     assert r.returncode == 7, (r.returncode, r.stdout, r.stderr)
+
+
+@pytest.mark.timeout(400)
+def test_a_vanished_guest_fails_its_peers_pending_operations_within_the_keepalive_bound():
+    """A whole host gone without a word (its QEMU killed): on tcp, ucx and
+    verbs the peer's pending receive, sends queued behind credits and a large
+    send all fail with ConnectionLost within about tcp_user_timeout_ms plus
+    one keepalive interval (3 s + 1 s here; the defaults give 30 s + 10 s)."""
+    if os.environ.get("FABRIC_IN_SOFTROCE_GUEST"):
+        pytest.skip("already inside the Soft-RoCE guest (no nested QEMU)")
+    ok, why = harness_ready()
+    if not ok:
+        pytest.skip(f"Soft-RoCE guest cannot run here: {why}")
+    peer = os.path.join(ROOT, "tests", "wire_peer.py")
+    r = subprocess.run([sys.executable, HARNESS, "--guests", "2", "--cpus", "1", "--timeout", "300", "--",
+                        sys.executable, peer, "tcp,ucx,verbs", "holder", ":::",
+                        sys.executable, peer, "tcp,ucx,verbs", "watcher"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=340)
+    assert r.returncode == 0, f"guests said {r.returncode}:\n{r.stdout}\n{r.stderr}"
+    lines = [line for line in r.stdout.splitlines() if "vanished " in line]
+    print("\n".join(lines))
+    failed = [line for line in lines if "failed after" in line]
+    assert len(failed) == 3 * 18, r.stdout
+    for line in failed:
+        seconds = float(line.split("failed after ")[1].split(" s ")[0])
+        assert "ConnectionLost" in line and seconds < 20, line   # 20 s: a hang, not a timing claim
