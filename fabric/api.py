@@ -67,9 +67,13 @@ class Fabric:
         self.backend, self.backend_reason = backends.choose(name)
         if not backend and os.environ.get("FABRIC_BACKEND"):
             self.backend_reason += " by FABRIC_BACKEND"
-        self.options: dict[str, Any] = _options.resolve(self.backend.name, self.backend.default_options(), options)
+        sources = _options.resolve_sources(self.backend.name, self.backend.default_options(), options)
+        self.options: dict[str, Any] = {k: v for k, (v, _) in sources.items()}
+        # thresholds the user did not set adapt to each connection's link
+        self.adapting: list[str] = _options.adapting(sources)
         # the key lives in the engine only (never in options, logs or repr)
-        self._worker = Worker(self.backend, self.options, key, ssl)
+        self._worker = Worker(self.backend, dict(self.options, _adapt_mask=_options.adapt_mask(self.adapting)),
+                              key, ssl)
         del key
         self.authenticated: bool = self._worker.authenticates
         if self.authenticated and self.backend.name == "ucx":

@@ -352,6 +352,13 @@ def gather_knobs(backend: str | None = None, overrides: dict | None = None) -> d
         if source == "env":
             row["env_value"] = os.environ.get(options.env_name(knob))
         out["values"][knob] = row
+    # thresholds the engine raises per connection to the link it measures
+    adapting = options.adapting(resolved) if resolved else []
+    for knob in adapting:
+        bound = {"eager_limit": "the slab the peer accepts", "chunk_size": "adapt_max_chunk",
+                 "chunks_in_flight": "adapt_max_window"}[knob]
+        out["values"][knob]["adapts"] = f"the least; each connection raises it to its link's bandwidth-delay product, up to {bound}"
+    out["adapting"] = adapting
     return out
 
 
@@ -426,10 +433,12 @@ def _source_text(row: dict, knobs: dict) -> str:
     s = row["source"]
     if s == "env":
         return f"env {row['env']}={row.get('env_value')}"
-    if s == "backend":
-        return f"{knobs['backend']} default"
     if s == "profile":
-        return "profile"
+        s = "profile"
+    elif s == "backend":
+        s = f"{knobs['backend']} default"
+    if row.get("adapts"):
+        s += f" ({row['adapts']})"
     return s
 
 

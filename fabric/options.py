@@ -6,6 +6,9 @@ variables and per-Fabric keyword arguments, in increasing order of precedence.
 | eager_limit       | FABRIC_EAGER_LIMIT          | largest message sent eagerly (copied through pre-allocated buffers or sent straight from the caller's buffer); larger ones go by rendezvous |
 | chunk_size        | FABRIC_CHUNK_SIZE           | rendezvous messages are registered and pulled in chunks of this size |
 | chunks_in_flight  | FABRIC_CHUNKS_IN_FLIGHT     | chunks announced (sender) and read (receiver) ahead per message; a peer announcing more unanswered chunks of one message is cut off |
+| adapt             | FABRIC_ADAPT                | 1: each connection measures its link (round trip at the handshake, bandwidth of its rendezvous transfers) and raises eager_limit, chunk_size and chunks_in_flight above their defaults to cover the link's bandwidth-delay product, up to adapt_max_chunk and adapt_max_window; a threshold given by argument, environment or profile stays fixed; 0: the values as configured |
+| adapt_max_chunk   | FABRIC_ADAPT_MAX_CHUNK      | adapt: largest chunk_size a connection grows to |
+| adapt_max_window  | FABRIC_ADAPT_MAX_WINDOW     | adapt: most chunks in flight a connection grows to (also what this end accepts from a peer that adapts) |
 | max_rendezvous    | FABRIC_MAX_RENDEZVOUS       | rendezvous messages in flight per endpoint and direction (announced, not yet fully pulled): a sender keeps to its peer's, a peer announcing more is cut off (ProtocolError) |
 | coalesce_limit    | FABRIC_COALESCE_LIMIT       | largest fabric message; small messages queued while the fabric is busy are packed up to this size |
 | coalesce          | FABRIC_COALESCE             | 1: pack small messages queued while the fabric is busy into one send; 0: one send per message (for measuring what coalescing gains) |
@@ -48,6 +51,9 @@ KNOBS = {
     "eager_limit": ("size", 0, 1 << 30),
     "chunk_size": ("size", 4096, 1 << 31),
     "chunks_in_flight": ("int", 1, 1024),
+    "adapt": ("int", 0, 1),
+    "adapt_max_chunk": ("size", 4096, 1 << 31),
+    "adapt_max_window": ("int", 1, 1024),
     "max_rendezvous": ("int", 1, 1 << 20),
     "coalesce_limit": ("size", 1024, 1 << 30),
     "coalesce": ("int", 0, 1),
@@ -75,6 +81,9 @@ HELP = {
     "eager_limit": "largest message sent eagerly; larger ones go by rendezvous",
     "chunk_size": "rendezvous messages are registered and pulled in chunks of this size",
     "chunks_in_flight": "rendezvous chunks announced and read ahead per message",
+    "adapt": "1: grow eager_limit, chunk_size, chunks_in_flight to the link's bandwidth-delay product (unless fixed)",
+    "adapt_max_chunk": "adapt: largest chunk_size a connection grows to",
+    "adapt_max_window": "adapt: most chunks in flight a connection grows to",
     "max_rendezvous": "rendezvous messages in flight per endpoint and direction (a peer announcing more is cut off)",
     "coalesce_limit": "largest fabric message: small queued messages are packed up to this size",
     "coalesce": "1: pack small messages queued while the fabric is busy into one send; 0: one send per message",
@@ -100,6 +109,9 @@ COMMON_DEFAULTS = {
     "eager_limit": 65536,
     "chunk_size": 4 << 20,
     "chunks_in_flight": 2,
+    "adapt": 1,
+    "adapt_max_chunk": 16 << 20,
+    "adapt_max_window": 16,
     "max_rendezvous": 64,
     "coalesce_limit": 65536 + 4096,
     "coalesce": 1,
@@ -239,3 +251,24 @@ def resolve_sources(backend_name: str, backend_defaults: dict, overrides: dict) 
     of Fabric). Raises like resolve() on an invalid value."""
     opts = _layered(backend_defaults, read_profile(backend_name), overrides)
     return {k: (parse_value(k, v), source) for k, (v, source) in opts.items()}
+
+
+# The thresholds option adapt sizes per connection, and the engine's bit for
+# each (fabric/protocol/core/adapt.pxi: ADAPT_EAGER, ADAPT_CHUNK, ADAPT_WINDOW).
+ADAPTIVE = {"eager_limit": 1, "chunk_size": 2, "chunks_in_flight": 4}
+
+
+def adapting(sources: dict) -> list[str]:
+    """Of ADAPTIVE, those a connection may raise to its link: adapt is on and
+    the value is a default (the backend's or the common one), not given by
+    argument, environment or tuning profile."""
+    if not sources["adapt"][0]:
+        return []
+    return [k for k in ADAPTIVE if sources[k][1] in ("default", "backend")]
+
+
+def adapt_mask(names) -> int:
+    mask = 0
+    for name in names:
+        mask |= ADAPTIVE[name]
+    return mask

@@ -20,14 +20,16 @@ EP_OPEN = 2
 class MemPair:
     """eps[i] is attached to side i of the link; both handshakes are pending."""
 
-    def __init__(self, caps=None, send_depth=2, rkey_len=8, strict_recv=False, **opts):
+    def __init__(self, caps=None, send_depth=2, rkey_len=8, strict_recv=False, adapt_mask=0, **opts):
         self.backend = memory.MemoryBackend()
         options = _options.resolve("memory", self.backend.default_options(),
                                    small_options(progress_thread=0, spin_us=0, **opts))
         self.options = options
         self.link = memory.MemoryLink(memory.DEFAULT_CAPS if caps is None else caps,
                                       send_depth, rkey_len, strict_recv)
-        self.workers = [Worker(self.backend, options), Worker(self.backend, options)]
+        # adapt_mask: the thresholds that adapt to the link (fabric.options.ADAPTIVE bits)
+        engine_options = dict(options, adapt=1 if adapt_mask else 0, _adapt_mask=adapt_mask)
+        self.workers = [Worker(self.backend, engine_options), Worker(self.backend, engine_options)]
         self.eps = [self.link.attach(self.workers[i], i) for i in range(2)]
 
     def deliverable(self):

@@ -96,6 +96,9 @@ def test_several_frames_in_one_fabric_message():
     (frame.encode_put(1, 1)[:-8] + bytes(8), "PUT"),                     # total 0
     (frame.encode_header(frame.TYPES["PUT"], 0, 0, 1), "PUT"),           # no total
     (frame.encode_header(frame.TYPES["PUT"], 3, 0, 1), "PUT"),
+    (frame.encode_header(frame.TYPES["PING"], 1, 0, 7), "PING"),         # a flag
+    (frame.encode_header(frame.TYPES["PONG"], 0, 0, 7, 1), "PING"),      # aux
+    (frame.encode_header(frame.TYPES["PING"], 0, 4, 7) + bytes(4), "PING"),   # a body
 ])
 def test_invalid_frames_raise_protocol_error(blob, why):
     with pytest.raises(ProtocolError, match=why):

@@ -154,6 +154,8 @@ def test_silent_client_is_dropped_after_handshake_timeout(served):
     wire(MSG, frame.encode_rndv(1, 0, 1 << 50, 0, 0, 10, b"k" * 8)),    # above max_message
     wire(READ_RESP, b"x" * 10, ident=77),                               # answer to no request
     wire(MSG, b"\xfb\x01\x02\x00" + b"\xff" * 20),                     # frame longer than message
+    wire(MSG, frame.encode_header(frame.TYPES["PONG"], 0, 0, 12345)),    # answer to no PING
+    wire(MSG, frame.encode_header(frame.TYPES["PING"], 0, 0, 1) * 65),   # more PINGs than answered
 ])
 def test_protocol_violation_closes_only_that_connection(served, bad):
     fab, lst, accepted = served

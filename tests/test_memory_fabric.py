@@ -45,7 +45,7 @@ BIG = 5 * CHUNK
 RARE = st.integers(0, 5)
 # what the runs exercised, summed over examples (a test below checks the
 # protocols it is meant to explore were explored)
-EXERCISED = {"sent_put": 0, "puts_received": 0, "posts_offered": 0, "chunks_served": 0}
+EXERCISED = {"sent_put": 0, "puts_received": 0, "posts_offered": 0, "chunks_served": 0, "adaptations": 0}
 
 
 def payload(direction, index, size):
@@ -79,8 +79,11 @@ class MemoryFabricMachine(RuleBasedStateMachine):
                            ("served", memory.CAP_READS_SERVED), ("write", memory.CAP_ORDERED_WRITE)):
             if name in caps:
                 flags |= flag
+        # every other pattern: the thresholds adapt to the link as timed
+        # here (PING/PONG at the handshake; chunks and window grow mid-stream)
         self.pair = MemPair(flags, send_depth, rkey_len, coalesce=coalesce, credits=credits,
-                            chunks_in_flight=chunks, recv_budget=budget)
+                            chunks_in_flight=chunks, recv_budget=budget,
+                            adapt_mask=7 if pattern & 1 else 0, adapt_max_window=4, adapt_max_chunk="64K")
         for side in (0, 1):
             self.pair.link.set_send_pattern(side, pattern, 8)
         self.credits = credits
@@ -349,8 +352,9 @@ class MemoryFabricMachine(RuleBasedStateMachine):
         try:
             for ep in pair.eps:
                 if not ep.closed:
+                    stats = dict(ep.stats(), adaptations=ep.link["changes"])
                     for key in EXERCISED:
-                        EXERCISED[key] += ep.stats()[key]
+                        EXERCISED[key] += stats[key]
             self.finish()
         finally:
             for ep in pair.eps:
@@ -423,6 +427,7 @@ def test_engine_over_the_memory_fabric():
     run_machine(derandomize=True, examples=max(EXAMPLES, 200))
     assert EXERCISED["sent_put"] > 0 and EXERCISED["puts_received"] > 0, EXERCISED
     assert EXERCISED["posts_offered"] > EXERCISED["puts_received"], EXERCISED
+    assert EXERCISED["adaptations"] > 0, EXERCISED        # thresholds changed mid-stream somewhere
     run_machine(derandomize=False)
 
 

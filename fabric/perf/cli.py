@@ -247,7 +247,9 @@ def measure_runs(args, tests, sizes, rpc_pairs, knobs) -> dict:
         print(f"backend: {run.backend} ({rec['backend_reason']})", flush=True)
         th = rec["thresholds"]
         print(f"fabric-perf: {run.label}, peer {run.address}, eager_limit {human_size(th['eager_limit_effective'])}, "
-              f"chunk_size {human_size(th['chunk_size'])} x {th['chunks_in_flight']} in flight", flush=True)
+              f"chunk_size {human_size(th['chunk_size'])} x {th['chunks_in_flight']} in flight"
+              f" ({'adapting ' + ', '.join(run.fab.adapting) + ' to the link' if run.fab.adapting else 'fixed'})",
+              flush=True)
         try:
             for test in tests:
                 if test == "rpc":
@@ -276,10 +278,22 @@ def measure_runs(args, tests, sizes, rpc_pairs, knobs) -> dict:
                 if test == "rate" and items and not args.no_baseline:
                     rate_without_coalescing(run, rec["rate"], args, progress)
                 print_table(test, run.label, rec[test])
+            rec["link"] = run.ep.link
+            print(describe_link(rec["link"]), flush=True)
         finally:
             run.close()
     progress.clear()
     return results
+
+
+def describe_link(link: dict) -> str:
+    """One line: the link as the endpoint measured it and the thresholds it
+    used at the end (Endpoint.link)."""
+    rtt = f"{link['rtt_us']:.0f} us" if link["rtt_us"] is not None else "not measured"
+    bw = f"{link['bandwidth_MBps']:.0f} MB/s" if link["bandwidth_MBps"] is not None else "no rendezvous sample"
+    return (f"fabric-perf: link round trip {rtt}, bandwidth {bw}; thresholds at the end: eager_limit "
+            f"{human_size(link['eager_limit'])}, chunk_size {human_size(link['chunk_size'])} x "
+            f"{link['chunks_in_flight']} in flight ({link['why']})")
 
 
 def rate_without_coalescing(run, rows: list[dict], args, progress):

@@ -8,7 +8,10 @@ from fabric.backends.interface cimport fab_channel, fab_listener, fab_mr, fab_hu
 cdef struct opts_t:
     size_t eager_limit          # largest message sent eagerly
     size_t chunk_size           # rendezvous chunk (pipelining unit)
-    uint32_t chunks_in_flight   # chunks announced / read ahead per message
+    uint32_t chunks_in_flight   # chunks announced / read ahead per message (adapt: the least)
+    int adapt                   # ADAPT_* bits: thresholds each connection sizes to its link
+    size_t adapt_max_chunk      # adapt: largest chunk size a connection grows to
+    uint32_t window_cap         # chunk slots per message: what we announce at most and accept
     uint32_t max_rendezvous     # rendezvous messages a peer may have announced and not seen pulled
     size_t coalesce_limit       # largest fabric message (coalescing buffer)
     uint32_t credits            # receive buffers offered to the peer
@@ -59,6 +62,8 @@ cdef struct sendop_t:
     uint8_t hdr[24]
     # rendezvous
     uint32_t nchunks
+    size_t chunk                # this message's chunk size (fixed when its first chunk goes)
+    double rndv_started         # when its first chunk was announced (bandwidth sample)
     uint32_t announced
     uint32_t acked
     int any_failed
@@ -183,6 +188,16 @@ cdef struct ep_t:
     uint32_t rndv_in_count          # the peer's rendezvous messages in ep.rndv_in
     size_t slab_cap
     size_t eager_limit
+    # the link as measured (core/adapt.pxi) and the thresholds sized to it
+    size_t chunk_size               # rendezvous chunk for new messages
+    uint32_t window                 # chunks of a message announced ahead
+    double rtt                      # seconds, least of the handshake's PINGs (0: not measured)
+    double bandwidth                # bytes/s of recent rendezvous transfers (0: none yet)
+    double ping_sent                # when our PING left (0: none outstanding)
+    uint32_t pings_left             # PINGs still to send at the handshake
+    uint32_t pings_answered         # the peer's PINGs (at most MAX_PEER_PINGS)
+    uint64_t adaptations            # times the thresholds changed
+    char adapt_why[120]             # the last change, for Endpoint.link
     int pending_sends
     int slabs_total
     slab_t* free_slabs

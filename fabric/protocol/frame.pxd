@@ -23,7 +23,8 @@
 #               announced and not yet fully pulled, and unanswered chunk
 #               announcements per message (0: not declared). features:
 #               HELLO_WRITES_POSTED, the sender writes messages into buffers
-#               its peer posts (POST/PUT below); unknown bits are ignored.
+#               its peer posts (POST/PUT below); HELLO_MEASURES, the sender
+#               answers PING with PONG; unknown bits are ignored.
 #   EAGER       the message bytes (possibly none)
 #   RNDV        announces one chunk of a rendezvous message:
 #               u64 total, u64 offset, u64 raddr, u32 length, u16 rkey_len,
@@ -35,6 +36,10 @@
 #               with flag DONE_FAILED, gives up on the message).
 #   CREDIT      no body; carries only `credits`.
 #   CLOSE       no body; the sender will send nothing more.
+#   PING        no body; msg_id is the sender's own cookie (its clock); sent
+#               only to a peer whose HELLO has HELLO_MEASURES.
+#   PONG        no body; answers a PING, echoing its msg_id (the sender of
+#               the PING measures the round trip).
 #   POST        (receiver to sender) a receive buffer waits for message
 #               msg_id: u64 raddr, u64 cap, u16 rkey_len, u16 0, u32 0, then
 #               rkey_len bytes of key (the region registered for the peer to
@@ -72,6 +77,8 @@ cdef enum:
     F_CLOSE = 6
     F_POST = 7
     F_PUT = 8
+    F_PING = 9
+    F_PONG = 10
 
 cdef enum:
     DONE_FAILED = 1
@@ -81,6 +88,7 @@ cdef enum:
     POST_FIXED = 24
     PUT_BODY = 8
     HELLO_WRITES_POSTED = 1  # HELLO feature: writes messages into buffers the peer posts
+    HELLO_MEASURES = 2       # HELLO feature: answers PING with PONG
 
 cdef struct frame_t:
     int type
@@ -230,6 +238,10 @@ cdef inline int parse_frame(const uint8_t* p, size_t avail, frame_t* f,
     elif f.type == F_CREDIT or f.type == F_CLOSE:
         if f.flags != 0 or f.body_length != 0 or f.msg_id != 0 or f.aux != 0:
             error[0] = "malformed control frame"
+            return -1
+    elif f.type == F_PING or f.type == F_PONG:
+        if f.flags != 0 or f.body_length != 0 or f.aux != 0:
+            error[0] = "malformed PING/PONG frame"
             return -1
     elif f.type == F_POST:
         if (f.flags & ~POST_WITHDRAW) != 0 or f.msg_id == 0 or f.aux != 0:

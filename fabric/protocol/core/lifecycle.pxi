@@ -45,7 +45,7 @@ cdef int on_hello(ep_t* ep, frame_t* f) noexcept nogil:
     ep.peer_max_message = f.hello_max_message
     # what the peer accepts in flight (0: an older peer that did not say)
     ep.peer_max_rendezvous = f.hello_max_rendezvous if f.hello_max_rendezvous else ep.w.opts.max_rendezvous
-    ep.peer_max_chunks = f.hello_max_chunks if f.hello_max_chunks else ep.w.opts.chunks_in_flight
+    ep.peer_max_chunks = f.hello_max_chunks if f.hello_max_chunks else ep.w.opts.window_cap
     ep.peer_features = f.hello_features
     if ep.w.opts.fault == FAULT_FLOOD:          # test-only: a peer that ignores both
         ep.peer_max_rendezvous = ep.peer_max_chunks = 0xFFFFFFFFU
@@ -53,6 +53,7 @@ cdef int on_hello(ep_t* ep, frame_t* f) noexcept nogil:
     ep.eager_limit = eager_limit_for(&ep.w.opts, ep.slab_cap)
     ep.state = EP_OPEN
     ep.opened = 1
+    adapt_open(ep)
     return 0
 
 cdef void fail_op_list(ep_t* ep, sendop_t* op, int err) noexcept nogil:
@@ -157,7 +158,7 @@ cdef void send_hello(ep_t* ep) noexcept nogil:
         send_garbage(ep)          # instead of HELLO
         return
     put_hello(ep.hello, <uint32_t>max_recv, ep.w.opts.credits, ep.w.opts.max_message,
-              ep.w.opts.max_rendezvous, ep.w.opts.chunks_in_flight, our_features(ep))
+              ep.w.opts.max_rendezvous, ep.w.opts.window_cap, our_features(ep))
     v.iov_base = ep.hello
     v.iov_len = FRAME_HEADER + HELLO_BODY
     if not (ep.ch.caps & FAB_CAP_SEND_ANY_MEMORY):

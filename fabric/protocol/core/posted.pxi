@@ -198,7 +198,7 @@ cdef int on_post(ep_t* ep, frame_t* f) noexcept nogil:
 
 cdef inline uint32_t our_features(ep_t* ep) noexcept nogil:
     """What our HELLO offered (it depends only on options and the channel)."""
-    return HELLO_WRITES_POSTED if posts_possible(ep) else 0
+    return HELLO_MEASURES | (HELLO_WRITES_POSTED if posts_possible(ep) else 0)
 
 cdef void look_for_post(ep_t* ep, size_t total) noexcept nogil:
     """A large message is about to be queued (lock held). A peer that posts
@@ -266,7 +266,7 @@ cdef int put_issue(ep_t* ep, sendop_t* op) noexcept nogil:
     0 framed (op leaves the queue), 1 waiting, -1 failed."""
     cdef char* ptr
     cdef size_t length
-    cdef uint32_t w = ep.w.opts.chunks_in_flight
+    cdef uint32_t w = ep.w.opts.window_cap
     cdef uint32_t slot
     cdef fab_mr* mr
     cdef uint8_t* room
@@ -277,7 +277,7 @@ cdef int put_issue(ep_t* ep, sendop_t* op) noexcept nogil:
             ep_fail(ep, ENOMEM, "out of memory")
             return -1
     while op.msg_off < op.total:
-        if put_needs_reg(ep) and op.put_issued - op.put_done >= w:
+        if put_needs_reg(ep) and op.put_issued - op.put_done >= ep.window:
             return 1
         next_chunk(ep, op, &ptr, &length)
         mr = NULL
@@ -348,6 +348,6 @@ cdef void on_write_done(ep_t* ep, sendop_t* op, int status) noexcept nogil:
         ep_fail(ep, ECONNRESET, "peer refused a write into the buffer it posted")
         return
     if put_needs_reg(ep) and op.window != NULL:
-        ep.ch.ops.dereg(ep.ch, &op.window[op.put_done % ep.w.opts.chunks_in_flight])
+        ep.ch.ops.dereg(ep.ch, &op.window[op.put_done % ep.w.opts.window_cap])
     op.put_done += 1
     put_maybe_finish(ep, op)

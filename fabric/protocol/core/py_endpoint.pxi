@@ -255,6 +255,44 @@ cdef class Endpoint:
         self._check_open()
         return self.ep.eager_limit
 
+    @property
+    def link(self):
+        """The link as this endpoint measured it and the thresholds sized to
+        it (option adapt): round trip (least of the handshake's PINGs; None
+        if the peer was not measured), bandwidth of recent rendezvous sends
+        (None before the first), the thresholds in use now, which of them
+        adapt (the others were fixed by the user or adapt=0), how often they
+        changed and why the last time."""
+        self._check_open()
+        cdef ep_t* e = self.ep
+        cdef opts_t* o = &self.w.opts
+        cdef double rtt, bw
+        cdef size_t eager, chunk
+        cdef uint32_t window
+        cdef uint64_t changes
+        cdef char reason[120]
+        with nogil:
+            alock(self.w)
+            rtt = e.rtt
+            bw = e.bandwidth
+            eager = e.eager_limit
+            chunk = e.chunk_size
+            window = e.window
+            changes = e.adaptations
+            memcpy(reason, e.adapt_why, sizeof(reason))
+            wunlock(self.w)
+        reason[sizeof(reason) - 1] = 0
+        why = <bytes>reason
+        free = [name for bit, name in ((ADAPT_EAGER, "eager_limit"), (ADAPT_CHUNK, "chunk_size"),
+                                       (ADAPT_WINDOW, "chunks_in_flight")) if o.adapt & bit]
+        return {"rtt_us": rtt * 1e6 if rtt > 0 else None,
+                "bandwidth_MBps": bw / 1e6 if bw > 0 else None,
+                "eager_limit": eager, "chunk_size": chunk, "chunks_in_flight": window,
+                "adapting": free, "bounds": {"adapt_max_chunk": o.adapt_max_chunk,
+                                             "adapt_max_window": o.window_cap},
+                "changes": changes, "why": why.decode() if changes else
+                ("configured values" if not free else "configured values (the link needs no more)")}
+
     def stats(self):
         """Counters for tests and tools."""
         cdef int64_t regions = 0
@@ -297,7 +335,7 @@ cdef class Endpoint:
             return ("eager", 0)
         if uses_native(self.ep, size):
             return ("native", (size + NATIVE_CHUNK - 1) // NATIVE_CHUNK)
-        return ("rendezvous", (size + self.w.opts.chunk_size - 1) // self.w.opts.chunk_size)
+        return ("rendezvous", (size + self.ep.chunk_size - 1) // self.ep.chunk_size)
 
     def send(self, obj):
         """Send one message (a buffer, or a list/tuple of buffers sent as one

@@ -49,6 +49,12 @@ cdef int opts_from(dict options, opts_t* o) except -1:
     o.eager_limit = int(options["eager_limit"])
     o.chunk_size = int(options["chunk_size"])
     o.chunks_in_flight = int(options["chunks_in_flight"])
+    # adapt: fabric.api says which thresholds the user left free (_adapt_mask)
+    o.adapt = int(options.get("_adapt_mask", 0)) if int(options.get("adapt", 0)) else 0
+    o.adapt_max_chunk = max(o.chunk_size, int(options.get("adapt_max_chunk", o.chunk_size)))
+    o.window_cap = o.chunks_in_flight
+    if o.adapt & ADAPT_WINDOW:
+        o.window_cap = max(o.chunks_in_flight, int(options.get("adapt_max_window", o.chunks_in_flight)))
     o.max_rendezvous = int(options.get("max_rendezvous", 64))
     o.coalesce_limit = int(options["coalesce_limit"])
     o.credits = int(options["credits"])

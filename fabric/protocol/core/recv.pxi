@@ -94,7 +94,7 @@ cdef int issue_reads(ep_t* ep, inmsg_t* m) noexcept nogil:
                 return -1
             m.dst_registered = 1
         dst_mr = &m.dst_mr
-    while d != NULL and <uint32_t>m.reads < ep.w.opts.chunks_in_flight:
+    while d != NULL and <uint32_t>m.reads < ep.w.opts.window_cap:
         if not d.reading:
             if d.native:
                 rc = ep.ch.ops.recv_large(ep.ch, m.data + d.offset, d.length,
@@ -346,7 +346,7 @@ cdef int on_rndv(ep_t* ep, frame_t* f) noexcept nogil:
         chunk_done(ep, m.msg_id, f.aux, 1)
         rndv_check(ep, m)
         return 0
-    if m.ndescs >= ep.w.opts.chunks_in_flight:
+    if m.ndescs >= ep.w.opts.window_cap:
         ep_fail(ep, EPROTO, "peer announced more chunks of a message than this end accepts "
                             "unanswered (chunks_in_flight)")
         return -1
@@ -391,7 +391,7 @@ cdef int on_chunk_done(ep_t* ep, frame_t* f) noexcept nogil:
     if op == NULL:
         ep_fail(ep, EPROTO, "peer acknowledged a chunk of an unknown message")
         return -1
-    slot = f.aux % ep.w.opts.chunks_in_flight
+    slot = f.aux % ep.w.opts.window_cap
     if f.aux >= op.announced or op.window_index[slot] != f.aux:
         ep_fail(ep, EPROTO, "peer acknowledged a chunk that is not in flight")
         return -1
@@ -451,7 +451,7 @@ cdef int on_fabric_msg(ep_t* ep, const uint8_t* data, size_t length) noexcept no
             return -1
         if f.type != F_CREDIT:
             only_credits = 0
-        if (ep.peer_closed and f.type != F_CREDIT and f.type != F_CHUNK_DONE
+        if (ep.peer_closed and f.type != F_CREDIT and f.type != F_CHUNK_DONE and f.type != F_PONG
                 and not (f.type == F_POST and (f.flags & POST_WITHDRAW))
                 and not (f.type == F_PUT and (f.flags & PUT_DECLINED))):
             ep_fail(ep, EPROTO, "peer sent frames after CLOSE")
@@ -468,6 +468,12 @@ cdef int on_fabric_msg(ep_t* ep, const uint8_t* data, size_t length) noexcept no
                 return -1
         elif f.type == F_CLOSE:
             on_peer_close(ep)
+        elif f.type == F_PING:
+            if on_ping(ep, &f) < 0:
+                return -1
+        elif f.type == F_PONG:
+            if on_pong(ep, &f) < 0:
+                return -1
         elif f.type == F_POST:
             if on_post(ep, &f) < 0:
                 return -1

@@ -97,7 +97,11 @@ cdef inline int can_post_data(ep_t* ep) noexcept nogil:
 cdef inline size_t chunk_limit(ep_t* ep, sendop_t* op) noexcept nogil:
     """Chunk size of an op: chunk_size for the engine's pulls; native chunks
     go as large as a frame can describe, the fabric pipelines them itself."""
-    return NATIVE_CHUNK if op.native else ep.w.opts.chunk_size
+    if op.native:
+        return NATIVE_CHUNK
+    if op.chunk == 0:
+        op.chunk = ep.chunk_size      # the endpoint's may grow; this message's stays
+    return op.chunk
 
 cdef void next_chunk(ep_t* ep, sendop_t* op, char** ptr, size_t* length) noexcept nogil:
     """The next chunk to announce: at most chunk_limit, never across segments."""
@@ -116,7 +120,7 @@ cdef int announce_chunk(ep_t* ep, sendop_t* op, int first) noexcept nogil:
     data path (it orders the message), later ones as control frames."""
     cdef char* ptr
     cdef size_t length
-    cdef uint32_t slot = op.announced % ep.w.opts.chunks_in_flight
+    cdef uint32_t slot = op.announced % ep.w.opts.window_cap
     cdef fab_mr* mr = &op.window[slot]
     cdef uint8_t* room
     cdef int rc
@@ -162,7 +166,7 @@ cdef inline uint64_t native_tag(uint64_t msg_id, uint32_t index) noexcept nogil:
 cdef int announce_native(ep_t* ep, sendop_t* op, int first, char* ptr, size_t length) noexcept nogil:
     """Announce a chunk that the fabric's own rendezvous carries: the frame
     has no key; the data goes to send_large under the chunk's tag."""
-    cdef uint32_t slot = op.announced % ep.w.opts.chunks_in_flight
+    cdef uint32_t slot = op.announced % ep.w.opts.window_cap
     cdef size_t need = FRAME_HEADER + RNDV_FIXED
     cdef uint8_t* room
     cdef int rc
@@ -232,7 +236,7 @@ cdef void on_chunk_served(ep_t* ep, fab_mr* mr) noexcept nogil:
     peer. Its region goes at once (no later read can see what the application
     puts in that memory after its send completed)."""
     cdef sendop_t* op = ep.rndv_out
-    cdef uint32_t w = ep.w.opts.chunks_in_flight
+    cdef uint32_t w = ep.w.opts.window_cap
     cdef size_t slot
     while op != NULL:
         if not op.native and op.window != NULL and mr >= op.window and mr < op.window + w:
@@ -264,6 +268,8 @@ cdef void rndv_try_finish(ep_t* ep, sendop_t* op) noexcept nogil:
     if p[0] != NULL:
         p[0] = op.next
         ep.rndv_out_count -= 1
+        if not op.any_failed:
+            adapt_rndv_done(ep, op)
         op_finish(ep, op, EACCES_ if op.any_failed else 0)
 
 cdef void announce_faulty(ep_t* ep, sendop_t* op, uint8_t* room, fab_mr* mr, size_t length) noexcept nogil:
@@ -304,22 +310,25 @@ cdef fab_mr* live_chunk_elsewhere(ep_t* ep) noexcept nogil:
         op = other.rndv_out
         while op != NULL:
             if not op.native:
-                for s in range(ep.w.opts.chunks_in_flight):
+                for s in range(ep.w.opts.window_cap):
                     if op.window_index[s] != NO_CHUNK:
                         return &op.window[s]
             op = op.next
     return NULL
 
 cdef int announce_more(ep_t* ep, sendop_t* op) noexcept nogil:
-    """Keep chunks_in_flight chunks announced once the first one is posted."""
+    """Keep the endpoint's window of chunks announced once the first one is
+    posted (never more than the peer accepts)."""
     cdef int made = 0
     if op.head_seq > ep.seq_posted:
         return 0
     while op.announced < op.nchunks:
-        if op.window_index[op.announced % ep.w.opts.chunks_in_flight] != NO_CHUNK:
+        if op.window_index[op.announced % ep.w.opts.window_cap] != NO_CHUNK:
             break
         if op.announced - op.acked >= ep.peer_max_chunks:
             break           # the peer accepts no more unanswered chunks per message
+        if op.announced - op.acked >= ep.window and ep.w.opts.fault != FAULT_FLOOD:
+            break           # what this link needs ahead (core/adapt.pxi)
         if announce_chunk(ep, op, 0) != 0:
             return -1
         made = 1
@@ -328,7 +337,7 @@ cdef int announce_more(ep_t* ep, sendop_t* op) noexcept nogil:
 cdef int start_rndv(ep_t* ep, sendop_t* op) noexcept nogil:
     """Announce the first chunk. -1 failed, 0 started, 1 wait (no slab free
     yet, or the peer's max_rendezvous are in flight), 2 too many chunks."""
-    cdef uint32_t w = ep.w.opts.chunks_in_flight
+    cdef uint32_t w = ep.w.opts.window_cap
     cdef uint32_t i
     cdef uint64_t nchunks = 0
     cdef size_t limit
@@ -351,6 +360,8 @@ cdef int start_rndv(ep_t* ep, sendop_t* op) noexcept nogil:
         for i in range(w):
             op.window_index[i] = NO_CHUNK
     op.nchunks = <uint32_t>nchunks
+    if op.rndv_started == 0:
+        op.rndv_started = monotonic_now()
     return announce_chunk(ep, op, 1)
 
 cdef int frame_queue(ep_t* ep) noexcept nogil:
