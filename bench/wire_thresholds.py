@@ -130,6 +130,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--scale", type=float, default=0.1)
     ap.add_argument("--grid", action="store_true", help="add the fixed chunk_size x chunks_in_flight grid")
+    ap.add_argument("--config", action="append", default=[], metavar="NAME=k=v,k=v",
+                    help="another configuration, fixed (adapt=0 unless given)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if not os.environ.get("FABRIC_WIRE_AGENT"):
@@ -142,6 +144,13 @@ def main(argv=None) -> int:
         for c in GRID_CHUNKS:
             for w in GRID_WINDOWS:
                 configs[f"{c >> 20}M x {w}"] = {"adapt": 0, "chunk_size": c, "chunks_in_flight": w}
+    for text in args.config:
+        name, _, rest = text.partition("=")
+        knobs = {"adapt": 0}
+        for kv in filter(None, rest.split(",")):
+            k, _, v = kv.partition("=")
+            knobs[k] = v
+        configs[name] = knobs
     results = []
     for d in (float(x) for x in args.delay_ms.split(",")):
         res = one_delay(args, d, configs)

@@ -242,3 +242,12 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+def sigint_default():
+    """Popen preexec_fn for a child the test interrupts with SIGINT: a suite
+    started as a background job of a non-interactive shell (CI, nohup)
+    inherits SIGINT ignored, and so would the child, where Python then
+    installs no KeyboardInterrupt handler."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -32,6 +32,7 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 
 import fabric  # noqa: E402
 from fabric import dask as fdask  # noqa: E402
+from conftest import sigint_default  # noqa: E402
 
 # how long a step may take before the test calls it a hang (not a timing claim)
 HANG = 60
@@ -657,7 +658,8 @@ def test_scheduler_and_workers_from_the_cli(backend_name, tmp_path):
     try:
         procs.append(subprocess.Popen([dask_cli, "scheduler", "--protocol", scheme, "--host", "127.0.0.1",
                                        "--port", "0", "--no-dashboard", "--scheduler-file", str(file)],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env))
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+                                      preexec_fn=sigint_default))
         deadline = time.monotonic() + HANG
         while not file.exists() and time.monotonic() < deadline:
             assert procs[0].poll() is None, procs[0].stderr.read().decode()[-2000:]
@@ -668,7 +670,8 @@ def test_scheduler_and_workers_from_the_cli(backend_name, tmp_path):
             for _ in range(2):
                 procs.append(subprocess.Popen([dask_cli, "worker", address, "--nthreads", "1",
                                                "--no-dashboard", "--nworkers", "1"],
-                                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env))
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+                                              preexec_fn=sigint_default))
             client.wait_for_workers(2, timeout=HANG)
             assert sum(client.gather(client.map(lambda x: x + 1, range(20)))) == sum(range(1, 21))
             assert all(w.startswith(scheme + "://") for w in client.scheduler_info()["workers"])

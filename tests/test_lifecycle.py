@@ -18,7 +18,7 @@ import warnings
 import pytest
 
 import fabric
-from conftest import ROOT, connect_pair, small_options
+from conftest import ROOT, connect_pair, sigint_default, small_options
 
 
 def run_script(code, backend_name, timeout=60, env=None):
@@ -98,8 +98,12 @@ def test_ctrl_c_interrupts_a_blocked_call_promptly(backend_name, blocked_in):
             raise
     """)
     full_env = dict(os.environ, PYTHONPATH=ROOT)
+    # SIGINT at its default in the child: a suite started as a background job
+    # of a non-interactive shell (CI, nohup) inherits it ignored, and Python
+    # then installs no KeyboardInterrupt handler
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), backend_name],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
+                            preexec_fn=sigint_default)
     try:
         assert proc.stdout.readline().strip() == "blocking"
         time.sleep(0.3)

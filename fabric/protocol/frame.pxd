@@ -39,7 +39,8 @@
 #   PING        no body; msg_id is the sender's own cookie (its clock); sent
 #               only to a peer whose HELLO has HELLO_MEASURES.
 #   PONG        no body; answers a PING, echoing its msg_id (the sender of
-#               the PING measures the round trip).
+#               the PING measures the round trip). A peer sending more than
+#               64 PINGs on one connection is cut off (each costs a PONG).
 #   POST        (receiver to sender) a receive buffer waits for message
 #               msg_id: u64 raddr, u64 cap, u16 rkey_len, u16 0, u32 0, then
 #               rkey_len bytes of key (the region registered for the peer to

@@ -134,6 +134,9 @@ cdef void adapt_resize(ep_t* ep, const char* after) noexcept nogil:
     ep.chunk_size = chunk
     ep.window = window
     ep.adaptations += 1
-    snprintf(ep.adapt_why, sizeof(ep.adapt_why),
-             "after %s: round trip %.0f us, bandwidth %.0f MB/s", after, ep.rtt * 1e6,
-             ep.bandwidth / 1e6)
+    if ep.bandwidth > 0:
+        snprintf(ep.adapt_why, sizeof(ep.adapt_why), "after %s: round trip %.0f us, bandwidth %.0f MB/s",
+                 after, ep.rtt * 1e6, ep.bandwidth / 1e6)
+    else:
+        snprintf(ep.adapt_why, sizeof(ep.adapt_why), "after %s: round trip %.0f us (no bandwidth sample yet)",
+                 after, ep.rtt * 1e6)
