@@ -34,6 +34,7 @@ cdef struct fab_boot:
     size_t payload_len
     size_t payload_done
     int peer_gone                  # the socket ended after the exchange: the peer went away
+    int gone_errno                 # ... 0: it closed (EOF); else the socket's error (ETIMEDOUT: a silent host)
     uint32_t polls
     boot_deferred* deferred        # sends waiting for the connection, oldest first
     boot_deferred* deferred_tail
@@ -45,6 +46,7 @@ cdef uint32_t boot_events(fab_boot* b) noexcept nogil
 cdef void boot_release(fab_boot* b) noexcept nogil
 cdef void boot_close(fab_boot* b, fab_channel* ch) noexcept nogil
 cdef int boot_watch(fab_boot* b, fab_channel* ch, int connected) noexcept nogil
+cdef int boot_fail_gone(fab_boot* b, fab_channel* ch) noexcept nogil
 cdef void* boot_defer(fab_boot* b, size_t size, uint64_t ctx) noexcept nogil
 cdef void* boot_next_deferred(fab_boot* b) noexcept nogil
 cdef fab_listener* boot_listen(str host, int port, void* domain, int* refs, uint32_t depth,

@@ -130,9 +130,21 @@ cdef int boot_watch(fab_boot* b, fab_channel* ch, int connected) noexcept nogil:
     r = recv(b.sock, &c, 1, MSG_DONTWAIT)
     if r == 0 or (r < 0 and errno != EAGAIN and errno != EINTR):
         b.peer_gone = 1
+        b.gone_errno = 0 if r == 0 else errno
     elif r > 0:
         return fab_fail(ch, EPROTO, "unexpected bytes on the bootstrap connection")
     return 0
+
+
+cdef int boot_fail_gone(fab_boot* b, fab_channel* ch) noexcept nogil:
+    """Fail ch for a peer that went away, saying how: it closed the
+    connection, or its host stopped answering (the socket's user timeout or
+    keepalive ran out: a host that vanished without a word)."""
+    if b.gone_errno == ETIMEDOUT:
+        return fab_fail(ch, ETIMEDOUT, "the peer's host stopped answering (tcp_user_timeout_ms / keepalive)")
+    if b.gone_errno != 0 and b.gone_errno != ECONNRESET:
+        return fab_fail(ch, b.gone_errno, "the connection to the peer failed")
+    return fab_fail(ch, ECONNRESET, "peer closed the connection")
 
 
 cdef void* boot_defer(fab_boot* b, size_t size, uint64_t ctx) noexcept nogil:

@@ -1254,7 +1254,7 @@ cdef int ucx_poll(fab_channel* fch, fab_completion* out, int max_events) noexcep
         probe_after_end(ch)
     if ch.boot.peer_gone and ch.qcount == 0 and not fch.failed:
         # everything the peer sent before leaving has been delivered above
-        fab_fail(fch, ECONNRESET, "peer closed the connection")
+        boot_fail_gone(&ch.boot, fch)
     if fch.failed and ch.qcount == 0 and n < max_events:
         out[n].kind = FAB_EV_FAILED
         out[n].status = -fch.failed

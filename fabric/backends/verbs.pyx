@@ -515,7 +515,7 @@ cdef int vb_poll(fab_channel* fch, fab_completion* out, int max_events) noexcept
             n = emit_wc(ch, &wc[i], out, n)
     boot_watch(&ch.boot, fch, ch.state == ST_READY)
     if ch.boot.peer_gone and n == 0 and not fch.failed:
-        fab_fail(fch, ECONNRESET, "peer closed the connection")
+        boot_fail_gone(&ch.boot, fch)
     if fch.failed and n < max_events:
         out[n].kind = FAB_EV_FAILED
         out[n].status = -fch.failed
