@@ -3,6 +3,7 @@
 # 1. Every suite on this machine (the verbs tests skip here and say why).
 # 2. The verbs suites inside the Soft-RoCE guest (tools/softroce.py), where rxe0 exists;
 #    where the guest cannot run, one line says why they were skipped.
+# 3. The wire's CI subset between two guests (tools/wire.sh --ci).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh test || exit 1
@@ -32,6 +33,14 @@ if why=$(.venv/bin/python tools/softroce.py --check 2>&1); then
         tests/test_load.py tests/test_dask.py tests/test_torch.py tests/test_auth.py tests/test_limits.py tests/test_posted.py tests/test_adapt.py
     guest=$?
     [ "$guest" = 5 ] && guest=0      # a -k filter can leave nothing to run in the guest
+    # 3. Two guests on a virtual wire (tools/wire.sh --ci): on verbs, tcp and ucx,
+    #    integrity, a lossy delayed link, a peer killed, gRPC from stock grpcio;
+    #    `bash tools/wire.sh` runs the whole wire suite.
+    echo "== the wire: two Soft-RoCE guests, the CI subset"
+    bash tools/wire.sh --ci "$@"
+    wire=$?
+    [ "$wire" = 5 ] && wire=0
+    [ "$wire" = 0 ] || guest=$wire
 else
     echo "== Soft-RoCE: verbs suites SKIPPED: $why"
 fi
