@@ -114,6 +114,9 @@ cdef struct fab_hub:
     int (*arm)(fab_hub* hub) noexcept nogil
     fab_channel* ready             # channels with completions queued (hub_mark_ready)
     uint64_t activity
+    # Monotonic seconds by which progress() must run even if fd stays quiet
+    # (0: none); the engine's one timer honours it (core/timers.pxi).
+    double next_deadline
 
 cdef struct fab_channel_ops:
     # mrs: NULL, or for each iov entry the registered region holding it (from

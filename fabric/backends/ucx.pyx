@@ -28,7 +28,8 @@ arrive any more) and takes a fresh worker for new ones; connections over
 UCX's network transports keep the old worker until they close. The probe
 tests the queue of the transport its own endpoint takes (posix or sysv);
 peers with the same UCX and UCX_TLS take the same one. The hub's fd is then
-an epoll set of the workers' event fds and a timer; a domain that cannot use
+an epoll set of the workers' event fds, and the probe's deadlines go to the
+engine's one timer as hub.next_deadline; a domain that cannot use
 shared memory (UCX_TLS without it) has one worker for good, and its hub's fd
 is that worker's own, one epoll level fewer.
 
@@ -221,7 +222,6 @@ cdef struct ucx_domain:
     ucx_wk* cur          # the worker new channels use (NULL: none could be made)
     ucx_wk* workers      # all of them, cur included
     int epfd             # the hub's fd: the workers' event fds and the timer (-1: not sm_possible)
-    int timerfd          # the probe's deadlines (-1: not sm_possible)
     int sm_possible      # connections may use shared memory (and can wedge the queue)
     # the probe of cur's shared-memory receive queue (see the module doc)
     ucp_worker_h probe_worker
@@ -236,7 +236,7 @@ cdef struct ucx_domain:
     double probe_again_at  # 0: no follow-up planned
     ucp_dt_iov_t probe_iov
     char probe_buf[8]    # the probe's sequence number
-    double timer_at      # when timerfd is set to fire (0: not set)
+    double timer_at      # when the probe needs the hub progressed (hub.next_deadline; 0: not set)
     uint64_t wedges      # workers found wedged
     int peer_errors      # can ask UCX for peer-failure reports (not on shared memory only)
     int local_none       # offers error mode NONE (shared memory) to peers on this host
@@ -321,8 +321,6 @@ cdef void domain_unref(ucx_domain* d) noexcept nogil:
             ucp_cleanup(d.context)
         if d.epfd >= 0:
             close(d.epfd)
-        if d.timerfd >= 0:
-            close(d.timerfd)
         free(d.chans)
         free(d.gens)
         free(d)
@@ -400,23 +398,16 @@ cdef ucx_chan* domain_find(ucx_domain* d, uint64_t key) noexcept nogil:
 # ------------------------------------------------ the receive-queue probe
 
 cdef void timer_set(ucx_domain* d, double at) noexcept nogil:
-    """Make the hub readable at `at` (monotonic seconds) unless it already
-    will be by then."""
-    cdef itimerspec its
+    """Have the hub progressed at `at` (monotonic seconds) unless it already
+    will be by then: the engine's one timer honours hub.next_deadline."""
     cdef double now
     if d.timer_at != 0 and d.timer_at <= at:
         return
-    memset(&its, 0, sizeof(its))
     now = monotonic_now()
     if at <= now:
         at = now
-        its.it_value.tv_nsec = 1           # relative: fire at once
-        timerfd_settime(d.timerfd, 0, &its, NULL)
-    else:
-        its.it_value.tv_sec = <long>at
-        its.it_value.tv_nsec = <long>((at - <double>its.it_value.tv_sec) * 1e9)
-        timerfd_settime(d.timerfd, TFD_TIMER_ABSTIME, &its, NULL)
     d.timer_at = at
+    d.hub.next_deadline = at
 
 cdef void probe_after_end(ucx_chan* ch) noexcept nogil:
     """The channel ended (its peer went away, or it closes): if it may have
@@ -529,14 +520,14 @@ cdef void probe_tick(ucx_domain* d) noexcept nogil:
     arrived, declare the queue wedged if it missed its deadline twice, send
     the next probe when one is wanted, and set the timer for what is next."""
     cdef double now, at
-    cdef uint64_t buf
     cdef int i
     cdef unsigned moved
     if d.timer_at == 0 and d.probe_deadline == 0 and d.probe_at == 0 and d.probe_again_at == 0:
         return
     now = monotonic_now()
-    if d.timer_at != 0 and now >= d.timer_at and read(d.timerfd, &buf, 8) == 8:
-        d.timer_at = 0                  # (else it has not fired yet: read it next time)
+    if d.timer_at != 0 and now >= d.timer_at:
+        d.timer_at = 0                  # due: what is next sets it again below
+        d.hub.next_deadline = 0
     if d.probe_deadline == 0 and d.probe_at == 0 and d.probe_again_at == 0:
         return
     if d.probe_worker != NULL:
@@ -1478,7 +1469,6 @@ cdef class UcxBackend(Backend):
         if d == NULL:
             raise MemoryError()
         d.epfd = -1
-        d.timerfd = -1
         with nogil:
             st = fab_ucx_init(&d.context)
         if st != UCS_OK:
@@ -1495,14 +1485,9 @@ cdef class UcxBackend(Backend):
         d.sm_possible = d.local_none or not d.peer_errors
         dom.d = d
         dom.pid = os.getpid()
-        if d.sm_possible:               # the probe's timer, and room for a second worker
+        if d.sm_possible:               # room for a second worker (the probe's deadlines: hub.next_deadline)
             d.epfd = epoll_create1(EPOLL_CLOEXEC)
-            d.timerfd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC)
-            if d.epfd < 0 or d.timerfd < 0:
-                raise OSError(errno, "UCX domain: epoll or timer fd")
-            memset(&ev, 0, sizeof(ev))
-            ev.events = EPOLLIN
-            if epoll_ctl(d.epfd, EPOLL_CTL_ADD, d.timerfd, &ev) < 0:
+            if d.epfd < 0:
                 raise OSError(errno, "UCX domain: epoll")
         with nogil:
             d.cur = wk_open(d)

@@ -333,6 +333,8 @@ cdef struct worker_t:
     uint64_t bg_loop_rounds     # ... of them for a polling event loop that was busy
     uint32_t large_sends        # sends above the eager limit, pulls served by our CPU, not finished
     int wake_fd
+    int timer_fd                # the engine's one timer (core/timers.pxi)
+    double timer_at             # ... set to fire then (0: disarmed)
     int notify_fd               # written after progress by other threads while a loop waits
     int loop_polling            # an asyncio loop watches epfd (it is the poller)
     int loop_attached           # a loop has used this worker: progress elsewhere notifies it

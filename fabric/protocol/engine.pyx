@@ -48,6 +48,7 @@ from fabric import errors as _errors
 include "core/defs.pxi"
 include "core/recv_pool.pxi"
 include "core/progress.pxi"
+include "core/timers.pxi"
 include "core/slabs.pxi"
 include "core/credits.pxi"
 include "core/protocols.pxi"

@@ -278,6 +278,7 @@ cdef int arm_all(worker_t* w) noexcept nogil:
             ep.armed = events
     if w.hub != NULL and (w.hub.ready != NULL or w.hub.arm(w.hub)):
         w.hub_pending = 1
+    timer_arm(w)
     return w.runnable != NULL or w.hub_pending
 
 cdef void progress_runnable(worker_t* w) noexcept nogil:
@@ -300,6 +301,8 @@ cdef void handle_events(worker_t* w, epoll_event* evs, int n) noexcept nogil:
             drain_wake(w)
         elif evs[i].data.u64 == HUB_KEY:
             w.hub_pending = 1
+        elif evs[i].data.u64 == TIMER_KEY:
+            timer_fired(w)
         else:
             node = node_lookup(w, evs[i].data.u64)
             if node != NULL:
@@ -364,7 +367,7 @@ cdef void* progress_thread_main(void* arg) noexcept nogil:
     cdef worker_t* w = <worker_t*>arg
     cdef epoll_event evs[64]
     cdef int n, ms
-    cdef double now, resume, hs
+    cdef double now, resume
     cdef double event_at = -1.0      # when a look found an event for a silent loop
     cdef double serving_since = -1.0 # the loop is away: serve until it enters the engine
     cdef bint busy_loop = 0          # ... because it left an event waiting
@@ -431,14 +434,7 @@ cdef void* progress_thread_main(void* arg) noexcept nogil:
             continue
         w.bg_state = BG_POLLING
         w.polling = 1
-        ms = 1000
-        hs = next_handshake_deadline(w)
-        if hs >= 0:
-            ms = <int>((hs - now) * 1000.0) + 1
-            if ms < 0:
-                ms = 0
-            elif ms > 1000:
-                ms = 1000
+        ms = 1000                  # (deadlines: the engine's timer wakes epoll)
         if arm_all(w):
             ms = 0
         # Progress a loop has not been told of (made while it was not
@@ -456,8 +452,6 @@ cdef void* progress_thread_main(void* arg) noexcept nogil:
             w.bg_rounds += 1
             if busy_loop:          # (set only while serving)
                 w.bg_loop_rounds += 1
-        if hs >= 0:
-            sweep_listeners(w)
         pthread_cond_broadcast(&w.cond)
         notify_loop(w)
     w.bg_state = 0
@@ -505,7 +499,7 @@ cdef int worker_wait(worker_t* w, pred_fn pred, void* arg, ep_t* hint, double de
     # receive waits teach the endpoint how long its peer takes to answer
     cdef ep_t* learner = hint if pred == pred_posted else NULL
     cdef double slice_end = now + WAIT_SLICE_MS * 1e-3
-    cdef double until, hs
+    cdef double until
     cdef epoll_event evs[64]
     cdef int n, ms
     cdef timespec ts
@@ -551,9 +545,6 @@ cdef int worker_wait(worker_t* w, pred_fn pred, void* arg, ep_t* hint, double de
         until = slice_end if deadline < 0 or slice_end < deadline else deadline
         if not w.polling:
             w.polling = 1
-            hs = next_handshake_deadline(w)
-            if hs >= 0 and hs < until:
-                until = hs if hs > now else now
             ms = <int>((until - now) * 1000.0) + 1
             if arm_all(w):
                 ms = 0
@@ -567,8 +558,6 @@ cdef int worker_wait(worker_t* w, pred_fn pred, void* arg, ep_t* hint, double de
             if n < 0:
                 n = 0
             handle_events(w, evs, n)
-            if hs >= 0:
-                sweep_listeners(w)
             pthread_cond_broadcast(&w.cond)
             notify_loop(w)
         else:

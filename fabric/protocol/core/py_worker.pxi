@@ -158,7 +158,7 @@ cdef class Worker:
         if self.w == NULL:
             raise MemoryError()
         self.w.fork_gen = fork_generation
-        self.w.epfd = self.w.wake_fd = self.w.notify_fd = -1
+        self.w.epfd = self.w.wake_fd = self.w.notify_fd = self.w.timer_fd = -1
         name = backend.name.encode()[:8]
         memcpy(self.w.backend_name, <char*>name, len(name))
         if auth_key is not None:
@@ -184,11 +184,15 @@ cdef class Worker:
         self.w.epfd = epoll_create1(EPOLL_CLOEXEC)
         self.w.wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
         self.w.notify_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
-        if self.w.epfd < 0 or self.w.wake_fd < 0 or self.w.notify_fd < 0:
+        self.w.timer_fd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC)
+        if self.w.epfd < 0 or self.w.wake_fd < 0 or self.w.notify_fd < 0 or self.w.timer_fd < 0:
             raise OSError(errno, f"cannot create the Fabric's descriptors: {strerror(errno).decode()}")
         ev.events = EPOLLIN
         ev.data.u64 = WAKE_KEY
         epoll_ctl(self.w.epfd, EPOLL_CTL_ADD, self.w.wake_fd, &ev)
+        ev.events = EPOLLIN
+        ev.data.u64 = TIMER_KEY
+        epoll_ctl(self.w.epfd, EPOLL_CTL_ADD, self.w.timer_fd, &ev)
         self.domain = backend.open_domain(self.options) if ssl is None else backend.open_domain_tls(self.options, ssl)
         self.w.hub = backend.hub(self.domain)
         if self.w.hub != NULL:
@@ -289,7 +293,9 @@ cdef class Worker:
             close(self.w.wake_fd)
         if self.w.notify_fd >= 0:
             close(self.w.notify_fd)
-        self.w.epfd = self.w.wake_fd = self.w.notify_fd = -1
+        if self.w.timer_fd >= 0:
+            close(self.w.timer_fd)
+        self.w.epfd = self.w.wake_fd = self.w.notify_fd = self.w.timer_fd = -1
 
     def _loop_detached(self):
         """fabric.aio: an event loop no longer watches fileno()."""
