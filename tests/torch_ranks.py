@@ -570,6 +570,17 @@ def leave():
 SCENARIOS = {f.__name__: f for f in (collectives, p2p, kill, timeout, destroy, ddp, leave, default)}
 
 
+def survivors_leave_together():
+    """A survivor that left at once would be one more dead rank to the others,
+    who might then name it instead of the rank that was killed: each survivor
+    counts itself in the default group's store and waits for the rest."""
+    store = dist.distributed_c10d._get_default_store()
+    store.add("kill_survivors", 1)
+    deadline = time.monotonic() + 30
+    while store.add("kill_survivors", 0) < WORLD - 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def main():
     scenario = sys.argv[1]
     init = os.environ.get("FABRIC_TEST_INIT", "env://")
@@ -589,6 +600,7 @@ def main():
     except Exception:                       # noqa: BLE001 - reported as a failure
         FAILURES.append(traceback.format_exc())
     if scenario == "kill":
+        survivors_leave_together()
         os._exit(1 if FAILURES else 0)      # the default group cannot sync without the dead rank
     if FAILURES:
         print(f"rank {RANK} FAILED:\n" + "\n".join(FAILURES[:30]), file=sys.stderr)
