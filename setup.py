@@ -20,12 +20,21 @@ JOBS = int(os.environ.get("FABRIC_BUILD_JOBS") or 0) or os.cpu_count() or 1
 
 
 class build_ext(_build_ext):
-    """setuptools' build_ext, parallel by default (-j still wins)."""
+    """setuptools' build_ext, parallel by default (-j still wins), linking no
+    run-time search path of the build machine into the extensions."""
 
     def finalize_options(self):
         super().finalize_options()
         if not self.parallel and JOBS > 1:
             self.parallel = JOBS
+
+    def build_extensions(self):
+        # An interpreter built with an rpath (pyenv's -Wl,-rpath,<its lib>)
+        # passes it to every extension; they need no libpython of their own,
+        # and an installed file must not search the build machine's paths.
+        self.compiler.linker_so = [a for a in self.compiler.linker_so
+                                   if not a.startswith(("-Wl,-rpath", "-Wl,-R"))]
+        super().build_extensions()
 CFLAGS = ["-O0", "-g"] if DEBUG else ["-O2"]
 
 
@@ -46,15 +55,18 @@ def find_ucx():
         return None
     if prefix:
         return (os.path.join(prefix, "include"), os.path.join(prefix, "lib"),
-                [os.path.join(prefix, "lib")], "prefix " + prefix)
+                [os.path.join(prefix, "lib")], "prefix")
     if choice in ("auto", "wheel"):
         try:
             import libucx
             base = os.path.dirname(libucx.__file__)
             if os.path.exists(os.path.join(base, "include", "ucp", "api", "ucp.h")):
                 lib = os.path.join(base, "lib")
-                # the wheel's libraries sit beside fabric in site-packages
-                return (os.path.join(base, "include"), lib, [lib, "$ORIGIN/../../libucx/lib"], "wheel libucx")
+                # fabric calls libucx.load_library() before importing the
+                # backend (as ucx-py and ucxx do); the relative path, where the
+                # wheel's libraries sit beside fabric in site-packages, serves
+                # an import of the module alone. No build path is recorded.
+                return (os.path.join(base, "include"), lib, ["$ORIGIN/../../libucx/lib"], "wheel")
         except ImportError:
             pass
         if choice == "wheel":
@@ -64,7 +76,7 @@ def find_ucx():
             inc = subprocess.check_output(["pkg-config", "--variable=includedir", "ucx"], text=True).strip()
             lib = subprocess.check_output(["pkg-config", "--variable=libdir", "ucx"], text=True).strip()
             if os.path.exists(os.path.join(inc, "ucp", "api", "ucp.h")):
-                return inc, lib, [], "system (pkg-config ucx)"
+                return inc, lib, [], "system"
         except (OSError, subprocess.CalledProcessError):
             pass
     if choice == "system":
@@ -86,34 +98,73 @@ extensions = [
     ext("fabric.grpc._h2"),
 ]
 
+# What this build left out, and why: printed loudly at the end of the build
+# and recorded in fabric/_build_config.py, so that Fabric("verbs") and
+# `python -m fabric info` name the reason instead of "not built".
+LEFT_OUT = {}
+
 # TLS for the tcp fabric, where OpenSSL's headers are (libssl-dev); without
 # them the tcp fabric still builds and Fabric("tcp", ssl=...) says why not.
-if os.path.exists("/usr/include/openssl/ssl.h") and os.environ.get("FABRIC_TLS", "auto") != "off":
-    extensions.append(ext("fabric.backends.tls", libraries=["ssl", "crypto"]))
+# It links the system's libssl.so.3, the one Python's own ssl module uses
+# (a wheel does not graft it: tools/wheel.sh excludes it from repair).
+if os.environ.get("FABRIC_TLS", "auto") == "off":
+    LEFT_OUT["tls"] = "FABRIC_TLS=off at build time"
+elif not os.path.exists("/usr/include/openssl/ssl.h"):
+    LEFT_OUT["tls"] = "OpenSSL's headers were missing at build time (apt install libssl-dev, then reinstall)"
 else:
-    print("fabric: no openssl/ssl.h; TLS on the tcp fabric is not built (apt install libssl-dev)",
-          file=sys.stderr)
+    extensions.append(ext("fabric.backends.tls", libraries=["ssl", "crypto"]))
 
 # Test-only (tests/test_memory_fabric.py): the in-memory fabric, never a
 # user-facing backend (not in fabric.backends.KNOWN). FABRIC_MEMORY_FABRIC=off skips it.
 if os.environ.get("FABRIC_MEMORY_FABRIC", "auto") != "off":
     extensions.append(ext("fabric.backends._memory"))
 
-if os.path.exists("/usr/include/infiniband/verbs.h") and os.environ.get("FABRIC_VERBS", "auto") != "off":
-    extensions.append(ext("fabric.backends.verbs", include_dirs=["fabric/backends"], libraries=["ibverbs"]))
+# verbs links no libibverbs (verbs_shim.h loads the host's at run time): the
+# header is all the build needs.
+if os.environ.get("FABRIC_VERBS", "auto") == "off":
+    LEFT_OUT["verbs"] = "FABRIC_VERBS=off at build time"
+elif not os.path.exists("/usr/include/infiniband/verbs.h"):
+    LEFT_OUT["verbs"] = ("rdma-core's header infiniband/verbs.h was missing at build time "
+                         "(apt install libibverbs-dev, then reinstall)")
 else:
-    print("fabric: no infiniband/verbs.h; the verbs backend is not built (apt install libibverbs-dev)",
-          file=sys.stderr)
+    extensions.append(ext("fabric.backends.verbs", include_dirs=["fabric/backends"], libraries=["dl"]))
 
 ucx = find_ucx()
+UCX_ORIGIN = None
 if ucx is None:
-    print("fabric: no UCX headers found; the ucx backend is not built "
-          "(pip install libucx-cu12 or apt install libucx-dev, then rebuild)", file=sys.stderr)
+    LEFT_OUT["ucx"] = ("no UCX headers at build time (pip install 'fabric-transport[ucx]' builds against "
+                       "the libucx-cu12 wheel; or apt install libucx-dev, then reinstall)"
+                       if os.environ.get("FABRIC_UCX", "auto").lower() != "off" else "FABRIC_UCX=off at build time")
 else:
-    inc, lib, rpaths, origin = ucx
-    print(f"fabric: building the ucx backend against {origin}: {inc}", file=sys.stderr)
+    inc, lib, rpaths, UCX_ORIGIN = ucx
+    print(f"fabric: building the ucx backend against UCX from the {UCX_ORIGIN}: {inc}", file=sys.stderr)
     extensions.append(ext("fabric.backends.ucx", include_dirs=[inc, "fabric/backends"],
                           library_dirs=[lib], libraries=["ucp", "ucs"], runtime_library_dirs=rpaths))
+
+
+def write_build_config():
+    with open(os.path.join("fabric", "_build_config.py"), "w") as f:
+        f.write('"""Written by setup.py at build time: what this installation was built with."""\n')
+        f.write(f"UCX_ORIGIN = {UCX_ORIGIN!r}   # 'wheel' (libucx-cu12), 'system', 'prefix' or None\n")
+        f.write(f"LEFT_OUT = {LEFT_OUT!r}\n")
+
+
+def report_left_out():
+    """The banner at the end of the build (pip shows it with -v; the same
+    reasons reach the user at run time through fabric/_build_config.py)."""
+    if not LEFT_OUT:
+        return
+    bar = "=" * 78
+    lines = [bar, "fabric: this build LEFT OUT some backends:"]
+    lines += [f"  {name}: {why}" for name, why in sorted(LEFT_OUT.items())]
+    lines += ["Fabric(<name>) and `python -m fabric info` will say the same at run time.", bar]
+    print("\n".join(lines), file=sys.stderr)
+
+
+write_build_config()
+if LEFT_OUT and os.environ.get("FABRIC_REQUIRE_ALL") == "1":    # a release build (tools/wheel.sh)
+    sys.exit("fabric: FABRIC_REQUIRE_ALL=1, and this build would leave out: "
+             + "; ".join(f"{k}: {v}" for k, v in sorted(LEFT_OUT.items())))
 
 setup(
     cmdclass={"build_ext": build_ext},
@@ -130,3 +181,4 @@ setup(
         },
     ),
 )
+report_left_out()      # again after the compiler's output, where it is seen

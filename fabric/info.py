@@ -184,7 +184,7 @@ def gather_ucx(user_env: dict) -> dict:
     info = {"usable": ok, "reason": reason, "compiled": None, "loaded": None, "library": None,
             "env": {k: v for k, v in sorted(user_env.items()) if k.startswith("UCX_")}}
     try:
-        from fabric.backends import ucx as ucx_module
+        ucx_module = backends.load_module("ucx")
     except ImportError as e:
         info["error"] = f"the ucx backend does not load: {e}"
     else:

@@ -145,7 +145,7 @@ def test_ucx_versions_and_transports():
     if data["compiled"] is None:
         assert data.get("error") or not ok
         return
-    built, loaded = __import__("fabric.backends.ucx", fromlist=["x"]).runtime_version()
+    built, loaded = backends.load_module("ucx").runtime_version()
     assert data["compiled"] == "%d.%d" % built and data["loaded"] == "%d.%d" % loaded
     assert data["library"] and os.path.exists(data["library"])
     ui = data["ucx_info"]

@@ -63,7 +63,8 @@ def test_listener_survives_garbage(tls, garbage):
 
 
 def test_version_check_reports_both_versions():
-    from fabric.backends import ucx
+    from fabric import backends
+    ucx = backends.load_module("ucx")
     built, loaded = ucx.runtime_version()
     assert built == loaded
     assert ucx.shared_memory_only("sm") and ucx.shared_memory_only("posix,cma")
@@ -107,7 +108,8 @@ def system_ucx_libs():
 def test_a_different_libucp_is_refused_not_used():
     """The wheel's UCX and Debian's share the soname libucp.so.0: when the other
     one gets loaded first, the backend must refuse, naming both versions."""
-    from fabric.backends import ucx
+    from fabric import backends
+    ucx = backends.load_module("ucx")
     libs = system_ucx_libs()
     if libs is None:
         pytest.skip("no system UCX (Debian libucx0) to clash with; tools/setup.sh installs it as root")

@@ -81,20 +81,71 @@ def auto_summary() -> str:
 _cache: dict[str, tuple] = {}
 
 
+def _build_config() -> dict:
+    """What setup.py left out of this installation, and why (name -> reason)."""
+    try:
+        from fabric import _build_config
+    except ImportError:            # a tree built before setup.py recorded it
+        return {}
+    return dict(_build_config.LEFT_OUT)
+
+
+def _load_ucx_wheel():
+    """A backend built against the libucx-cu12 wheel finds UCX's libraries
+    because the wheel loads them first (as ucx-py and ucxx do): the extension
+    records no path of the build machine."""
+    try:
+        from fabric import _build_config
+    except ImportError:
+        return
+    if _build_config.UCX_ORIGIN != "wheel" or _ucp_already_loaded():
+        return
+    try:
+        import libucx
+    except ImportError as e:
+        raise ImportError(f"libucx (the UCX wheel this build expects) is not installed: {e}") from None
+    try:
+        libucx.load_library()
+    except OSError as e:
+        raise ImportError(f"the libucx wheel cannot load its libraries: {e}") from None
+
+
+def _ucp_already_loaded() -> bool:
+    """A libucp.so.0 in the process already (LD_PRELOAD, another package):
+    the extension binds to that one by soname, and its version check decides;
+    loading the wheel's copy beside it would only add a second UCX."""
+    try:
+        with open("/proc/self/maps") as f:
+            return any("/libucp.so" in line for line in f)
+    except OSError:
+        return False
+
+
+def load_module(name: str):
+    """The extension module of backend `name`, with what it needs loaded
+    first (ImportError if it is not built or cannot load)."""
+    if name == "ucx":
+        _load_ucx_wheel()
+    return importlib.import_module(KNOWN[name][0])
+
+
 def probe(name: str):
     """(Backend or None, reason) for one backend name."""
     if name in _cache:
         return _cache[name]
-    module_name, cls_name = KNOWN[name]
+    cls_name = KNOWN[name][1]
     if name == "ucx":
         # UCX logs to stdout unless told otherwise, and reads this when its
         # library loads (with the module below): nothing fabric loads may
         # write to the application's stdout. The user's own choice wins.
         os.environ.setdefault("UCX_LOG_FILE", "stderr")
+    left_out = _build_config().get(name)
     try:
-        module = importlib.import_module(module_name)
+        module = load_module(name)
     except ImportError as e:
-        if name == "ucx" and ("libucp" in str(e) or "libucs" in str(e)):
+        if left_out:
+            result = (None, f"not built into this installation: {left_out}")
+        elif name == "ucx" and ("libucp" in str(e) or "libucs" in str(e) or "libucx" in str(e)):
             # built against the libucx wheel (an isolated pip build), which is not installed here
             result = (None, f"the UCX libraries it was built against are missing ({e}); "
                             "pip install 'fabric-transport[ucx]' (or libucx-cu12)")

@@ -91,21 +91,22 @@ cdef extern from "verbs_shim.h" nogil:
     int fab_ib_post_write(ibv_qp* qp, uint64_t laddr, uint32_t length, uint32_t lkey,
                           uint64_t raddr, uint32_t rkey, uint64_t wr_id)
     int fab_ib_post_recv(ibv_qp* qp, uint64_t addr, uint32_t length, uint32_t lkey, uint64_t wr_id)
-    ibv_pd* ibv_alloc_pd(ibv_context* ctx)
-    int ibv_dealloc_pd(ibv_pd* pd)
-    int ibv_close_device(ibv_context* ctx)
-    ibv_comp_channel* ibv_create_comp_channel(ibv_context* ctx)
-    int ibv_destroy_comp_channel(ibv_comp_channel* cc)
-    ibv_cq* ibv_create_cq(ibv_context* ctx, int cqe, void* cq_context, ibv_comp_channel* cc, int vector)
-    int ibv_destroy_cq(ibv_cq* cq)
-    int ibv_destroy_qp(ibv_qp* qp)
-    ibv_mr* ibv_reg_mr(ibv_pd* pd, void* addr, size_t length, int access)
-    int ibv_dereg_mr(ibv_mr* mr)
+    int fab_ibv_load(char* why, size_t why_len)
+    ibv_pd* ibv_alloc_pd "fab_ibv_alloc_pd"(ibv_context* ctx)
+    int ibv_dealloc_pd "fab_ibv_dealloc_pd"(ibv_pd* pd)
+    int ibv_close_device "fab_ibv_close_device"(ibv_context* ctx)
+    ibv_comp_channel* ibv_create_comp_channel "fab_ibv_create_comp_channel"(ibv_context* ctx)
+    int ibv_destroy_comp_channel "fab_ibv_destroy_comp_channel"(ibv_comp_channel* cc)
+    ibv_cq* ibv_create_cq "fab_ibv_create_cq"(ibv_context* ctx, int cqe, void* cq_context, ibv_comp_channel* cc, int vector)
+    int ibv_destroy_cq "fab_ibv_destroy_cq"(ibv_cq* cq)
+    int ibv_destroy_qp "fab_ibv_destroy_qp"(ibv_qp* qp)
+    ibv_mr* ibv_reg_mr "fab_ibv_reg_mr"(ibv_pd* pd, void* addr, size_t length, int access)
+    int ibv_dereg_mr "fab_ibv_dereg_mr"(ibv_mr* mr)
     int ibv_poll_cq(ibv_cq* cq, int n, ibv_wc* wc)
     int ibv_req_notify_cq(ibv_cq* cq, int solicited_only)
-    int ibv_get_cq_event(ibv_comp_channel* cc, ibv_cq** cq, void** ctx)
-    void ibv_ack_cq_events(ibv_cq* cq, unsigned int n)
-    const char* ibv_wc_status_str(int status)
+    int ibv_get_cq_event "fab_ibv_get_cq_event"(ibv_comp_channel* cc, ibv_cq** cq, void** ctx)
+    void ibv_ack_cq_events "fab_ibv_ack_cq_events"(ibv_cq* cq, unsigned int n)
+    const char* ibv_wc_status_str "fab_ibv_wc_status_str"(int status)
 
 cdef enum:
     BOOT_MAGIC = 0x56424946      # "FIBV"
@@ -649,6 +650,15 @@ cdef void unref_domain(void* d) noexcept nogil:
 
 # --------------------------------------------------- device, port and GID
 
+def load_libibverbs():
+    """None once the host's libibverbs.so.1 is loaded, else why it is not
+    (verbs_shim.h: the extension links no libibverbs of its own)."""
+    cdef char why[512]
+    if fab_ibv_load(why, sizeof(why)) == 0:
+        return None
+    return why.decode(errors="replace")
+
+
 SYS = "/sys/class/infiniband"
 
 
@@ -731,6 +741,9 @@ cdef class VerbsBackend(Backend):
 
     @staticmethod
     def available():
+        why = load_libibverbs()
+        if why is not None:
+            return False, why
         try:
             dev, port, gid, link = select_device()
         except LookupError as e:
@@ -751,6 +764,10 @@ cdef class VerbsBackend(Backend):
         cdef VerbsDomain dom = VerbsDomain.__new__(VerbsDomain)
         cdef vb_domain* d
         cdef int rc
+        why = load_libibverbs()
+        if why is not None:
+            from fabric.errors import BackendUnavailable
+            raise BackendUnavailable(f"backend 'verbs' is unavailable: {why}")
         dev, port, gid_index, link = select_device(rxe_only=self.rxe_only)
         d = <vb_domain*>calloc(1, sizeof(vb_domain))
         if d == NULL:
