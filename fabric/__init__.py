@@ -28,7 +28,7 @@ from fabric.protocol.engine import trim_recv_memory as trim_receive_memory
 from fabric.api import Fabric, aconnect, connect, default_fabric, listen
 from fabric.backends import available as available_backends
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 import logging as _logging
 

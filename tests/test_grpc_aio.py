@@ -334,7 +334,9 @@ def test_a_server_context_has_what_grpc_aio_gives():
         assert await server.wait_for_termination(1)
     asyncio.run(main())
     assert seen["peer"].startswith("ipv4:127.0.0.1:"), seen
-    assert 0 < seen["remaining"] <= 5 and seen["done"]
+    # grpc core rounds the grpc-timeout it sends up to a coarse unit (10 ms
+    # steps were seen), so the server may see a little more than 5 s
+    assert 0 < seen["remaining"] <= 5.1 and seen["done"], seen
 
 
 AIO_TRANSPORTS = ["plain", "fabric+tcp"]

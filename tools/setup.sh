@@ -11,7 +11,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE="${1:-test}"
-if [ "$MODE" = perf ]; then EXTRAS=perf; LEAN=1; else EXTRAS="$MODE"; LEAN=0; fi
+# test also brings what the suite's docs and wheel checks run (the docs and release extras)
+if [ "$MODE" = perf ]; then EXTRAS=perf; LEAN=1
+elif [ "$MODE" = test ]; then EXTRAS=test,docs,release; LEAN=0
+else EXTRAS="$MODE"; LEAN=0; fi
 export DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1
 rm -f .venv/.fabric-setup-stamp
 

@@ -1034,8 +1034,15 @@ cdef class TcpBackend(Backend):
         try:
             from fabric.backends import tls
         except ImportError as e:
-            raise BackendUnavailable(f"TLS is unavailable: fabric was built without OpenSSL's headers "
-                                     f"(apt install libssl-dev, then rebuild): {e}") from None
+            from fabric.backends import _build_config
+            left_out = _build_config().get("tls")
+            if left_out:
+                raise BackendUnavailable(f"TLS is unavailable: not built into this installation: "
+                                         f"{left_out}") from None
+            # built, but its libssl.so.3 is not on this host (a wheel binds
+            # to the OpenSSL 3 that Python's ssl module loads)
+            raise BackendUnavailable(f"TLS is unavailable: the tls module cannot load ({e}); it needs "
+                                     f"OpenSSL 3 (libssl.so.3), the library Python's ssl module uses") from None
         contexts = list(ssl) if isinstance(ssl, (list, tuple)) else [ssl]
         dom = TcpDomain.__new__(TcpDomain)
         cdef tcp_domain* d = <tcp_domain*>calloc(1, sizeof(tcp_domain))

@@ -50,7 +50,13 @@ cdef void adapt_open(ep_t* ep) noexcept nogil:
         send_ping(ep)
 
 cdef void send_ping(ep_t* ep) noexcept nogil:
-    cdef uint8_t* room = ctrl_room(ep, FRAME_HEADER)
+    cdef uint8_t* room
+    # A connection saying goodbye measures no more: the peer refuses any
+    # frame after our CLOSE but the answers it asked for.
+    if ep.close_requested or ep.close_sent or ep.peer_closed:
+        ep.pings_left = 0
+        return
+    room = ctrl_room(ep, FRAME_HEADER)
     if room == NULL:
         return
     ep.ping_sent = monotonic_now()
