@@ -35,6 +35,17 @@ class build_ext(_build_ext):
         self.compiler.linker_so = [a for a in self.compiler.linker_so
                                    if not a.startswith(("-Wl,-rpath", "-Wl,-R"))]
         super().build_extensions()
+
+    def run(self):
+        # Only a build of the extensions decides what they were built with
+        # (an sdist, made without the libucx wheel, must not record it).
+        if LEFT_OUT and os.environ.get("FABRIC_REQUIRE_ALL") == "1":    # a release build (tools/wheel.sh)
+            sys.exit("fabric: FABRIC_REQUIRE_ALL=1, and this build would leave out: "
+                     + "; ".join(f"{k}: {v}" for k, v in sorted(LEFT_OUT.items())))
+        write_build_config("fabric")
+        if not self.inplace:            # build_py copied the package before this ran
+            write_build_config(os.path.join(self.build_lib, "fabric"))
+        super().run()
 CFLAGS = ["-O0", "-g"] if DEBUG else ["-O2"]
 
 
@@ -142,8 +153,8 @@ else:
                           library_dirs=[lib], libraries=["ucp", "ucs"], runtime_library_dirs=rpaths))
 
 
-def write_build_config():
-    with open(os.path.join("fabric", "_build_config.py"), "w") as f:
+def write_build_config(package_dir):
+    with open(os.path.join(package_dir, "_build_config.py"), "w") as f:
         f.write('"""Written by setup.py at build time: what this installation was built with."""\n')
         f.write(f"UCX_ORIGIN = {UCX_ORIGIN!r}   # 'wheel' (libucx-cu12), 'system', 'prefix' or None\n")
         f.write(f"LEFT_OUT = {LEFT_OUT!r}\n")
@@ -160,11 +171,6 @@ def report_left_out():
     lines += ["Fabric(<name>) and `python -m fabric info` will say the same at run time.", bar]
     print("\n".join(lines), file=sys.stderr)
 
-
-write_build_config()
-if LEFT_OUT and os.environ.get("FABRIC_REQUIRE_ALL") == "1":    # a release build (tools/wheel.sh)
-    sys.exit("fabric: FABRIC_REQUIRE_ALL=1, and this build would leave out: "
-             + "; ".join(f"{k}: {v}" for k, v in sorted(LEFT_OUT.items())))
 
 setup(
     cmdclass={"build_ext": build_ext},

@@ -72,3 +72,46 @@ def test_the_version_agrees_everywhere():
     with open(os.path.join(ROOT, "CHANGELOG.md")) as f:
         headings = [line for line in f if line.startswith("## ")]
     assert headings and headings[0].split()[1] == version, headings[:1]
+
+
+NO_VERBS_PROGRAM = r"""
+import json, fabric
+ok, reason = fabric.available_backends()["verbs"]
+try:
+    fabric.Fabric("verbs")
+    raised = None
+except fabric.BackendUnavailable as e:
+    raised = str(e)
+fab = fabric.Fabric("tcp")
+lst = fab.listen("127.0.0.1:0")
+ep = fab.connect(lst.address, timeout=10)
+peer = lst.accept(timeout=10)
+ep.send(b"x" * 300000)
+got = len(peer.recv(timeout=10))
+fab.close()
+print(json.dumps({"ok": ok, "reason": reason, "raised": raised, "tcp": got}))
+"""
+
+
+def test_a_host_without_libibverbs_gets_a_reason_and_the_other_backends():
+    """rdma-core absent: in a private mount namespace libibverbs.so.1 is
+    hidden; the same build imports, verbs says why it is unavailable, tcp
+    works."""
+    import json
+    import sys
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("hiding libibverbs needs root and unshare(1) (a private mount namespace)")
+    found = subprocess.run(["sh", "-c", "ldconfig -p | sed -n 's/.*libibverbs.so.1 .*=> //p' | head -n 1"],
+                           capture_output=True, text=True).stdout.strip()
+    if not found:               # rdma-core not installed: the host is already the case
+        script = ""
+    else:
+        real = os.path.realpath(found)
+        script = f"mount --bind /dev/null {real} && "
+    r = subprocess.run(["unshare", "-m", "sh", "-c", script + 'exec "$0" -c "$1"', sys.executable,
+                        NO_VERBS_PROGRAM], capture_output=True, text=True, timeout=50, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["tcp"] == 300000
+    assert not out["ok"] and "libibverbs" in out["reason"] and "rdma-core" in out["reason"], out
+    assert out["raised"] and "libibverbs" in out["raised"], out
