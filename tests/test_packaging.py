@@ -115,3 +115,22 @@ def test_a_host_without_libibverbs_gets_a_reason_and_the_other_backends():
     assert out["tcp"] == 300000
     assert not out["ok"] and "libibverbs" in out["reason"] and "rdma-core" in out["reason"], out
     assert out["raised"] and "libibverbs" in out["raised"], out
+
+
+def test_verbs_uses_the_hosts_libibverbs_and_its_providers():
+    """Where an RDMA device exists (the Soft-RoCE guest), the verbs backend
+    runs on the host's libibverbs, whose provider driver (librxe) it loads:
+    a copy inside the package would find no providers."""
+    ok, reason = fabric.available_backends()["verbs"]
+    if not ok:
+        pytest.skip(f"verbs unavailable here: {reason}")
+    with fabric.Fabric("verbs") as fab:
+        lst = fab.listen("127.0.0.1:0")
+        ep = fab.connect(lst.address, timeout=30)
+        peer = lst.accept(timeout=30)
+        ep.send(b"v" * 100000)
+        assert len(peer.recv(timeout=30)) == 100000
+        with open("/proc/self/maps") as f:
+            loaded = {line.split()[-1] for line in f if "libibverbs" in line}
+    assert loaded and not [p for p in loaded if p.startswith(PACKAGE)], loaded
+    assert any("rdmav" in os.path.basename(p) for p in loaded), loaded

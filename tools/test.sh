@@ -30,7 +30,8 @@ if why=$(.venv/bin/python tools/softroce.py --check 2>&1); then
         .venv/bin/python -m pytest -p no:cacheprovider "$@" \
         tests/test_endpoint.py tests/test_asyncio.py tests/test_stream.py tests/test_grpc.py tests/test_grpc_aio.py tests/test_grpc_scale.py tests/test_grpc_messages.py tests/test_verbs.py \
         tests/test_lifecycle.py tests/test_scale.py tests/test_faults.py tests/test_lifecycle_stateful.py \
-        tests/test_load.py tests/test_dask.py tests/test_torch.py tests/test_auth.py tests/test_limits.py tests/test_posted.py tests/test_adapt.py
+        tests/test_load.py tests/test_dask.py tests/test_torch.py tests/test_auth.py tests/test_limits.py tests/test_posted.py tests/test_adapt.py \
+        tests/test_packaging.py
     guest=$?
     [ "$guest" = 5 ] && guest=0      # a -k filter can leave nothing to run in the guest
     # 3. Two guests on a virtual wire (tools/wire.sh --ci): on verbs, tcp and ucx,
