@@ -229,10 +229,12 @@ def test_the_wheel_installs_without_a_compiler_and_runs_the_examples_and_a_smoke
         elif os.path.exists(src):
             shutil.copy(src, copy)
     shutil.copy(os.path.join(ROOT, "pyproject.toml"), copy)    # pytest's settings (timeouts, markers)
-    r = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+    r = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs",
                         *[os.path.join("tests", t) for t in SMOKE]],
                        env=dict(env, FABRIC_TEST_BACKENDS="tcp,ucx-tcp"), cwd=copy, capture_output=True, text=True, timeout=1200)
-    tail = r.stdout[-4000:] + r.stderr[-2000:]
+    failures = r.stdout[r.stdout.find("= FAILURES ="):][:6000] if "= FAILURES =" in r.stdout else ""
+    tail = "\n".join(line for line in r.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))) \
+        + "\n" + failures + r.stdout[-1500:] + r.stderr[-2000:]
     assert r.returncode == 0, tail
     assert " passed" in r.stdout and " failed" not in r.stdout, tail
     # every example ran (none skipped for a package the wheel's extras should bring)

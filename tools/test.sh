@@ -4,6 +4,7 @@
 # 2. The verbs suites inside the Soft-RoCE guest (tools/softroce.py), where rxe0 exists;
 #    where the guest cannot run, one line says why they were skipped.
 # 3. The wire's CI subset between two guests (tools/wire.sh --ci).
+# Between 1 and 2, the documentation's check (tools/docs.sh --check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh test || exit 1
@@ -20,6 +21,10 @@ host=$?
 serial=$?
 [ "$serial" = 5 ] && serial=0
 [ "$serial" = 0 ] || host=$serial
+# The documentation builds with warnings as errors, and its doctests run
+# (the guides' other snippets are examples/, which tests/test_examples.py runs).
+echo "== the documentation: bash tools/docs.sh --check"
+bash tools/docs.sh --check || host=1
 guest=0
 if why=$(.venv/bin/python tools/softroce.py --check 2>&1); then
     echo "== Soft-RoCE: the verbs suites inside a QEMU guest with rxe0"

@@ -31,7 +31,7 @@ compiler=()
 if [ -n "$GLIBC" ]; then
     "$PY" -c "import ziglang" 2>/dev/null || "$PY" -m pip install -q ziglang 2>&1 | grep -v "^WARNING: Location" >&2 || true
     zigcc="$(pwd)/tools/zigcc"
-    compiler=(env FABRIC_ZIG_PYTHON="$(cd .venv/bin && pwd)/python" FABRIC_WHEEL_GLIBC="$GLIBC"
+    compiler=(FABRIC_ZIG_PYTHON="$(cd .venv/bin && pwd)/python" FABRIC_WHEEL_GLIBC="$GLIBC"
               CC="$zigcc" LDSHARED="$zigcc -shared")
 fi
 if ! "$PY" -c "import build, auditwheel, twine" 2>/dev/null; then
@@ -50,7 +50,7 @@ mkdir "$raw/src"
 git ls-files -z --cached --others --exclude-standard | while IFS= read -r -d '' f; do
     [ -e "$f" ] && cp --parents -P "$f" "$raw/src/"
 done
-"${compiler[@]}" FABRIC_MEMORY_FABRIC=off FABRIC_REQUIRE_ALL=1 "$PY" -m build --outdir "$raw" "$raw/src" >"$raw/build.log" 2>&1 || {
+env "${compiler[@]}" FABRIC_MEMORY_FABRIC=off FABRIC_REQUIRE_ALL=1 "$PY" -m build --outdir "$raw" "$raw/src" >"$raw/build.log" 2>&1 || {
     tail -n 40 "$raw/build.log" >&2; echo "wheel: the build failed" >&2; exit 1; }
 echo "wheel: built in $(( $(date +%s) - start )) s" >&2
 # an sdist carries sources only: no build product, no record of a build
