@@ -33,7 +33,7 @@ def _warn_ucx_side_doors() -> None:
     warnings.warn("fabric: auth_key guards fabric's own connections; with UCX_TLS="
                   f"{os.environ.get('UCX_TLS', '(unset)')} UCX also accepts peers of its own on its tcp/ud "
                   "transports, which do not bound remote reads and writes by region. On a network you do not "
-                  "trust use the verbs or tcp fabric, or UCX_TLS=rc,sm (README, Security)",
+                  "trust use the verbs or tcp fabric, or UCX_TLS=rc,sm (docs: guides/security)",
                   RuntimeWarning, stacklevel=3)
 
 if TYPE_CHECKING:

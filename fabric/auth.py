@@ -2,7 +2,7 @@
 
 A Fabric with a key authenticates every connection, both ways, before the
 backend builds anything on it (see fabric/protocol/core/auth.pxi for the
-handshake and README "Security" for what it protects). In order:
+handshake and docs/guides/security.rst for what it protects). In order:
 
 1. ``Fabric(auth_key=...)``: bytes, or a str (its UTF-8 bytes);
    ``auth_key=False`` turns authentication off whatever the environment says.

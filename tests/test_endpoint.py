@@ -727,7 +727,7 @@ def test_a_key_of_another_connection_or_of_a_released_chunk_reads_nothing(backen
     if backend_name == "ucx":
         pytest.skip("not enforceable on ucx: its shared-memory GET (cma) reads any address of a same-host, "
                     "same-user peer whatever the rkey, and its network transports take large messages by "
-                    "UCX's own rendezvous (no fabric keys); README, Security")
+                    "UCX's own rendezvous (no fabric keys); docs: guides/security")
     monkeypatch.setenv("FABRIC_FAULT_INJECT", fault)
     hostile = fabric.Fabric(backend_name, **small_options())
     monkeypatch.delenv("FABRIC_FAULT_INJECT")

@@ -1447,7 +1447,7 @@ cdef class UcxBackend(Backend):
             return False, (f"fabric was built against UCX {built[0]}.{built[1]} but loaded UCX "
                            f"{loaded[0]}.{loaded[1]} (both use libucp.so.0): install the one it was built "
                            f"against (pip install 'fabric-transport[ucx]' for the libucx wheel) or rebuild "
-                           f"against the loaded one (FABRIC_UCX=system); README, 'UCX builds'")
+                           f"against the loaded one (FABRIC_UCX=system); docs: guides/backends, 'ucx'")
         return True, f"UCX {loaded[0]}.{loaded[1]}"
 
     def open_domain(self, dict options):

@@ -1,5 +1,5 @@
 # The engine's frame format, version 1. This file is the single definition;
-# docs/README's "Frame format" section mirrors it.
+# docs/guides/concepts.rst describes it for readers.
 #
 # A fabric message (one backend send) carries one or more frames back to back.
 # Every frame starts with a 24-byte little-endian header:
