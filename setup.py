@@ -42,8 +42,14 @@ class build_ext(_build_ext):
         if LEFT_OUT and os.environ.get("FABRIC_REQUIRE_ALL") == "1":    # a release build (tools/wheel.sh)
             sys.exit("fabric: FABRIC_REQUIRE_ALL=1, and this build would leave out: "
                      + "; ".join(f"{k}: {v}" for k, v in sorted(LEFT_OUT.items())))
-        write_build_config("fabric")
-        if not self.inplace:            # build_py copied the package before this ran
+        # The record goes where these extensions go: beside them in the tree
+        # (in place, or an editable install), else into build_lib, which
+        # build_py filled before this ran. A build elsewhere (tools/fuzz.py's
+        # sanitizer copy) leaves the tree's record alone.
+        if self.inplace or getattr(self, "editable_mode", False):
+            write_build_config("fabric")
+        else:
+            os.makedirs(os.path.join(self.build_lib, "fabric"), exist_ok=True)
             write_build_config(os.path.join(self.build_lib, "fabric"))
         super().run()
 CFLAGS = ["-O0", "-g"] if DEBUG else ["-O2"]
@@ -156,8 +162,9 @@ else:
 def write_build_config(package_dir):
     with open(os.path.join(package_dir, "_build_config.py"), "w") as f:
         f.write('"""Written by setup.py at build time: what this installation was built with."""\n')
-        f.write(f"UCX_ORIGIN = {UCX_ORIGIN!r}   # 'wheel' (libucx-cu12), 'system', 'prefix' or None\n")
-        f.write(f"LEFT_OUT = {LEFT_OUT!r}\n")
+        f.write("from __future__ import annotations\n\n")
+        f.write(f"UCX_ORIGIN: str | None = {UCX_ORIGIN!r}   # 'wheel' (libucx-cu12), 'system', 'prefix' or None\n")
+        f.write(f"LEFT_OUT: dict[str, str] = {LEFT_OUT!r}   # what was not built, and why\n")
 
 
 def report_left_out():

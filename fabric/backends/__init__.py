@@ -101,7 +101,7 @@ def _load_ucx_wheel():
     if _build_config.UCX_ORIGIN != "wheel" or _ucp_already_loaded():
         return
     try:
-        import libucx
+        import libucx  # type: ignore[import-untyped]  # the wheel ships no stubs
     except ImportError as e:
         raise ImportError(f"libucx (the UCX wheel this build expects) is not installed: {e}") from None
     try:
