@@ -573,11 +573,18 @@ SCENARIOS = {f.__name__: f for f in (collectives, p2p, kill, timeout, destroy, d
 def survivors_leave_together():
     """A survivor that left at once would be one more dead rank to the others,
     who might then name it instead of the rank that was killed: each survivor
-    counts itself in the default group's store and waits for the rest."""
+    counts itself in the default group's store and waits for the rest. Rank 0
+    serves that store, so it leaves last: once every other survivor has said
+    it saw the count (a survivor still asking a store that has gone fails)."""
     store = dist.distributed_c10d._get_default_store()
     store.add("kill_survivors", 1)
     deadline = time.monotonic() + 30
     while store.add("kill_survivors", 0) < WORLD - 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if RANK != 0:
+        store.add("kill_survivors_left", 1)
+        return
+    while store.add("kill_survivors_left", 0) < WORLD - 2 and time.monotonic() < deadline:
         time.sleep(0.05)
 
 

@@ -2,8 +2,8 @@
 to install it into a fresh venv against the time to build and install the
 sdist there, and the time `import fabric` takes, side by side in one run.
 
-    .venv/bin/python bench/packaging.py --wheel dist/X.whl --sdist dist/X.tar.gz \
-        --rounds 3 --json bench/results/packaging.json
+    .venv/bin/python bench/install_times.py --wheel dist/X.whl --sdist dist/X.tar.gz \
+        --rounds 3 --json bench/results/install_times.json
 
 Each round makes two fresh venvs and installs the wheel into one and the
 sdist into the other (alternating which goes first), both with the [ucx]
@@ -13,6 +13,9 @@ time is the median of 20 fresh interpreters running `import fabric` minus 20
 running `pass`, in the wheel's venv.
 """
 from __future__ import annotations
+
+# (Not bench/packaging.py: tests put bench/ on sys.path, where that name hid
+# the `packaging` distribution from the processes they spawn.)
 
 import argparse
 import json
@@ -83,7 +86,7 @@ def main(argv=None):
         finally:
             shutil.rmtree(work, ignore_errors=True)
     result = {
-        "command": "python bench/packaging.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python bench/install_times.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "wheel": os.path.basename(wheel), "wheel_bytes": os.path.getsize(wheel),
         "sdist_bytes": os.path.getsize(sdist), "cores": os.cpu_count(),
         **rows,
