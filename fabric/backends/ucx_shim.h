@@ -52,6 +52,16 @@ static inline ucs_status_t fab_ucx_init(ucp_context_h *context)
      * unused and warn "invalid configuration" at ucp_init (1.13 on stdout). */
     if (getenv("UCX_TCP_MAX_CONN_RETRIES") == NULL && fab_ucx_runtime_version() >= UCP_VERSION(1, 17))
         (void)ucp_config_modify(config, "TCP_MAX_CONN_RETRIES", "255");
+    /* A peer that dies during wireup: with the blocking connect, UCX's tcp
+     * lane sends its connection request before the endpoint may send, finds
+     * the peer gone, schedules the endpoint's own destruction and still hands
+     * it to UCP, which uses it after it is freed (SIGSEGV in
+     * ucp_worker_discard_uct_ep_destroy_progress, or the assertion in
+     * uct_tcp_ep_destroy_progress). A non-blocking connect reports the failure
+     * through UCP's error path instead: 0 crashes in 3,625 iterations of
+     * tools/ucx_wireup_repro against 2-8% without it (UCX 1.22). */
+    if (getenv("UCX_TCP_CONN_NB") == NULL && fab_ucx_runtime_version() >= UCP_VERSION(1, 17))
+        (void)ucp_config_modify(config, "TCP_CONN_NB", "y");
     status = ucp_init(&params, config, context);
     ucp_config_release(config);
     return status;
