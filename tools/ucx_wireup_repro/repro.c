@@ -356,9 +356,10 @@ static int peer_main(int fd, int doomed)
     uint64_t deadline = now_us() + (uint64_t)opt.timeout_s * 1000000u;
     conn_t *c = &conns[0];
     seed_rng((uint64_t)fd);
+    uint32_t index;     /* the survivor's slot for this connection, named in our HELLO */
     int r = recv_blob(fd, &survivor_address, &length, deadline);
     if (r == 1) return PEER_DROPPED;
-    if (r) return PEER_SETUP;
+    if (r || read_exact(fd, &index, sizeof index, deadline)) return PEER_SETUP;
     if (ucx_open(&u)) return PEER_SETUP;
     if (send_blob(fd, u.address, u.address_length)) return PEER_DROPPED;
     if (doomed && opt.kill == KILL_SELF_BEFORE_EP) {
@@ -366,7 +367,7 @@ static int peer_main(int fd, int doomed)
         raise(SIGKILL);
     }
     if (ep_create(&u, survivor_address, c) != UCS_OK) return PEER_EP_FAILED;
-    if (!doomed || opt.peer_am) send_hello(c, 0);
+    if (!doomed || opt.peer_am) send_hello(c, index);
     if (doomed) {
         if (opt.kill == KILL_SELF_AFTER_EP) {
             uint64_t delay = uniform((unsigned)opt.max_delay_us);
@@ -396,11 +397,11 @@ static int peer_main(int fd, int doomed)
 /* ---------------------------------------------------------------- the survivor */
 
 /* 0 done, 1 the peer was gone before its address came (accept another), -1 setup error */
-static int exchange(ucx_t *u, int fd, void **peer_address)
+static int exchange(ucx_t *u, int fd, uint32_t index, void **peer_address)
 {
     size_t length;
     uint64_t deadline = now_us() + (uint64_t)opt.timeout_s * 500000u;
-    if (send_blob(fd, u->address, u->address_length)) return 1;
+    if (send_blob(fd, u->address, u->address_length) || write_all(fd, &index, sizeof index)) return 1;
     return recv_blob(fd, peer_address, &length, deadline);
 }
 
@@ -408,7 +409,7 @@ static int doomed_round(ucx_t *u, int index, int fd, pid_t peer, struct status *
 {
     conn_t *c = &conns[index];
     void *peer_address;
-    int r = exchange(u, fd, &peer_address);
+    int r = exchange(u, fd, (uint32_t)index, &peer_address);
     if (r) return r;
     if (opt.skip_on_eof && at_eof(fd)) { free(peer_address); st->skipped++; return 0; }
     ucs_status_t s = ep_create(u, peer_address, c);
@@ -456,7 +457,7 @@ static int healthy_round(ucx_t *u, int index, int fd)
 {
     conn_t *c = &conns[index];
     void *peer_address;
-    int r = exchange(u, fd, &peer_address);
+    int r = exchange(u, fd, (uint32_t)index, &peer_address);
     if (r) return r;
     ucs_status_t s = ep_create(u, peer_address, c);
     free(peer_address);
