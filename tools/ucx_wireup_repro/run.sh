@@ -3,8 +3,8 @@
 # 0-300 us after its ucp_ep_create (fabric's die@hello); the survivor posts a
 # HELLO active message after its own ucp_ep_create, force-closes its endpoint on
 # bootstrap EOF (or after the error callback), keeps progressing 50 ms, then
-# destroys worker and context. ITERS (default 1000) takes ~80 s on 2 cores;
-# expect 2-8 % crashes on UCX 1.22, 0 with UCX_TCP_CONN_NB=y.
+# destroys worker and context. ITERS (default 1000) takes about 60 s on 2 cores;
+# expect 0.6-8 % crashes on UCX 1.22 (it moves with the load), 0 with UCX_TCP_CONN_NB=y.
 # Extra arguments replace the default variant's options (see ./repro -h),
 # e.g. ./run.sh -k survivor -c after_cb -p 200
 set -e
