@@ -23,7 +23,7 @@ one command has failed, the other guest is stopped after 30 s. A command that
 creates the file $FABRIC_WIRE_KILL_PEER has the other guest's QEMU killed at
 once (a host that vanishes; that guest then counts as passed).
 
-Needs (installed by tools/setup.sh --softroce): qemu-system-x86, linux-image-amd64,
+Needs (installed by tools/setup.sh unless FABRIC_SOFTROCE=0): qemu-system-x86, linux-image-amd64,
 busybox-static, rdma-core, ibverbs-utils. Facts and timings: ../shared/FACTS.md.
 """
 from __future__ import annotations
