@@ -29,7 +29,6 @@ import argparse
 import cProfile
 import json
 import os
-import pstats
 import resource
 import subprocess
 import sys

@@ -1,7 +1,6 @@
 """gRPC wire rules of fabric.grpc: grpc-timeout, metadata and status text
 encodings, targets, the plain TCP byte stream. (Message framing is cut by
 the HTTP/2 core: tests/test_h2_core.py.)"""
-import os
 
 import pytest
 from hypothesis import given, settings, strategies as st

@@ -11,7 +11,7 @@ import pytest
 
 import fabric
 from fabric.protocol import frame
-from conftest import connect_pair, small_options
+from conftest import small_options
 
 MSG, READ_REQ, READ_RESP, READ_ERR = 1, 2, 3, 4
 

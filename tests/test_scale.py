@@ -9,7 +9,6 @@ import hashlib
 import os
 import socket
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest

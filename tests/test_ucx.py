@@ -4,7 +4,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 

@@ -3,7 +3,6 @@ unchanged, over a fabric byte stream (fabric+<backend>://host:port) or a plain
 TCP socket (host:port, for stock gRPC servers)."""
 from __future__ import annotations
 
-import collections
 import threading
 import time
 from concurrent import futures
