@@ -54,9 +54,14 @@ def wheel():
     try:
         out = os.path.join(work, "dist")
         env = {k: v for k, v in os.environ.items() if not k.startswith("FABRIC_")}
-        r = _run(["bash", os.path.join(ROOT, "tools", "wheel.sh"), out], env=env)
+        # FABRIC_INSTALL_TEST_GLIBC=2.28 tests the zig-built manylinux_2_28 wheel instead
+        glibc = os.environ.get("FABRIC_INSTALL_TEST_GLIBC")
+        r = _run(["bash", os.path.join(ROOT, "tools", "wheel.sh"), *(["--glibc", glibc] if glibc else []), out],
+                 env=env)
         path = r.stdout.strip().splitlines()[-1]
         assert os.path.basename(path).startswith("fabric_transport-") and "manylinux" in path, r.stdout
+        if glibc:
+            assert f"manylinux_{glibc.replace('.', '_')}_" in path, r.stdout
         yield work, path
     finally:
         shutil.rmtree(work, ignore_errors=True)
