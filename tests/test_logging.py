@@ -49,6 +49,26 @@ def test_backend_choice_connections_and_failures_are_logged(caplog):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["tcp", "ucx"])
+def test_a_peer_that_closes_is_logged_as_closed_not_failed(caplog, backend):
+    if not fabric.available_backends()[backend][0]:
+        pytest.skip(f"{backend} unavailable: {fabric.available_backends()[backend][1]}")
+    caplog.set_level(logging.DEBUG, logger="fabric")
+    with fabric.Fabric(backend) as fab:
+        lst = fab.listen()
+        client = fab.connect(lst.address, timeout=10)
+        server = lst.accept(timeout=10)
+        client.close()
+        with pytest.raises(fabric.ConnectionClosed):
+            server.recv(timeout=10)
+        messages = [(r.levelno, r.getMessage()) for r in caplog.records]
+        assert not [m for m in messages if "failed" in m[1]], messages
+        if backend == "tcp":      # (ucx's survivor may settle the endpoint after recv() returned)
+            assert any(level == logging.DEBUG and "closed by the peer" in m for level, m in messages), messages
+        server.close()
+
+
+@pytest.mark.timeout(60)
 def test_auto_says_why_it_chose_its_backend(caplog, monkeypatch):
     monkeypatch.delenv("FABRIC_BACKEND", raising=False)
     caplog.set_level(logging.INFO, logger="fabric")

@@ -223,7 +223,11 @@ cdef class Endpoint:
             text = self.ep.error.decode(errors="replace")
             if not self.failure_logged:
                 self.failure_logged = True
-                _log.info("%s connection %s failed: %s", self.worker.backend.name, ep_names(self.ep), text)
+                if self.ep.err == ESHUTDOWN_:
+                    # the peer said goodbye (CLOSE): an ending, not a failure
+                    _log.debug("%s connection %s closed by the peer", self.worker.backend.name, ep_names(self.ep))
+                else:
+                    _log.info("%s connection %s failed: %s", self.worker.backend.name, ep_names(self.ep), text)
             return text
         return None
 
