@@ -111,6 +111,29 @@ def test_recv_into_too_small_keeps_the_message(pair, size):
 
 
 @pytest.mark.timeout(60)
+def test_a_message_above_the_peers_max_message_fails_alone(fab):
+    """The receiver's max_message travels in its HELLO: the sender refuses a
+    larger message itself (a MessageTooLarge for that send) instead of
+    sending it and having the peer fail the whole connection."""
+    strict = fabric.Fabric(fab.name, **small_options(max_message=1000))
+    client, server = connect_pair(fab, strict)
+    try:
+        for size in (2000, 100_000):          # eager (below eager_limit) and rendezvous
+            with pytest.raises(fabric.MessageTooLarge, match="1000 bytes, its max_message"):
+                client.send(payload(size))
+            with pytest.raises(fabric.MessageTooLarge):
+                client.isend(payload(size)).wait(timeout=10)
+        client.send(payload(1000))            # the limit itself is allowed
+        assert server.recv(timeout=10) == payload(1000)
+        server.send(payload(100_000))         # the other way keeps the default
+        assert client.recv(timeout=10) == payload(100_000)
+    finally:
+        client.close(linger=0)
+        server.close(linger=0)
+        strict.close()
+
+
+@pytest.mark.timeout(60)
 def test_message_is_a_writable_buffer(pair):
     client, server = pair
     client.send(b"hello")

@@ -169,6 +169,26 @@ def test_protocol_violation_closes_only_that_connection(served, bad):
 
 
 @pytest.mark.timeout(60)
+def test_an_eager_message_above_max_message_closes_that_connection():
+    fab = fabric.Fabric("tcp", **small_options(max_message=1000))
+    lst = fab.listen("127.0.0.1:0")
+    try:
+        raw = RawPeer(lst.address)
+        raw.handshake()
+        ep = lst.accept(timeout=10)
+        raw.sock.sendall(wire(MSG, frame.encode_eager(1, b"x" * 2000)))   # below eager_limit, above max_message
+        with pytest.raises(fabric.ProtocolError, match="larger than max_message"):
+            ep.recv(timeout=10)
+        raw.close()
+        other = fab.connect(lst.address, timeout=10)      # the listener still works
+        peer = lst.accept(timeout=10)
+        other.send(b"y" * 1000)
+        assert peer.recv(timeout=10) == b"y" * 1000
+    finally:
+        fab.close()
+
+
+@pytest.mark.timeout(60)
 def test_forged_or_stale_keys_and_out_of_range_reads_are_refused(served):
     fab, lst, accepted = served
     raw, ep = raw_peer_and_its_endpoint(lst, accepted)

@@ -42,7 +42,7 @@ cdef int on_hello(ep_t* ep, frame_t* f) noexcept nogil:
     ep.caps = ep.ch.caps          # settled by now (a backend may narrow them while connecting)
     ep.peer_credits = <int>f.hello_credits
     ep.peer_max_recv = f.hello_max_recv
-    ep.peer_max_message = f.hello_max_message
+    ep.peer_max_message = f.hello_max_message if f.hello_max_message else 0xFFFFFFFFFFFFFFFFULL
     # what the peer accepts in flight (0: an older peer that did not say)
     ep.peer_max_rendezvous = f.hello_max_rendezvous if f.hello_max_rendezvous else ep.w.opts.max_rendezvous
     ep.peer_max_chunks = f.hello_max_chunks if f.hello_max_chunks else ep.w.opts.window_cap

@@ -219,6 +219,9 @@ cdef class Endpoint:
             return None
         if self.ep.closed:
             return "endpoint closed"
+        if err == EMSGSIZE and self.ep.state == EP_OPEN:
+            return (f"the message is larger than the peer accepts ({self.ep.peer_max_message} bytes, its "
+                    f"max_message) or than one message can be split into; the connection stays open")
         if self.ep.state == EP_DEAD and self.ep.error[0]:
             text = self.ep.error.decode(errors="replace")
             if not self.failure_logged:

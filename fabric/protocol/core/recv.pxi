@@ -271,6 +271,9 @@ cdef int on_eager(ep_t* ep, frame_t* f) noexcept nogil:
     if f.msg_id != ep.next_in_id:
         ep_fail(ep, EPROTO, "peer sent a message out of sequence")
         return -1
+    if f.body_length > ep.w.opts.max_message:
+        ep_fail(ep, EPROTO, "peer sent a message larger than max_message")
+        return -1
     ep.next_in_id += 1
     post_first_frame(ep, f.msg_id, 0)
     if (p.active and not p.done and not p.withdrawing and p.msg == NULL and p.dst != NULL

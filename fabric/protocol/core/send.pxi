@@ -536,6 +536,10 @@ cdef void ep_submit(ep_t* ep, sendop_t* op) noexcept nogil:
         op_finish(ep, op, ESHUTDOWN_ if (ep.close_requested or ep.peer_closed or ep.err == ESHUTDOWN_)
                   else (ep.err if ep.err else ECONNRESET))
         return
+    if op.total > ep.peer_max_message:
+        # the peer would fail the whole connection for it: fail this send alone
+        op_finish(ep, op, EMSGSIZE)
+        return
     ep.next_out_id += 1
     op.msg_id = ep.next_out_id
     op.state = OP_QUEUED
