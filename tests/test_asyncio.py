@@ -120,6 +120,36 @@ def test_async_peer_close_is_reported(backend_name):
     run(main())
 
 
+@pytest.mark.timeout(120)
+def test_sends_above_the_peers_max_message_fail_alone_on_100_connections(backend_name):
+    async def main():
+        fab = fabric.Fabric(backend_name, **small_options())
+        strict = fabric.Fabric(backend_name, **small_options(max_message=1000))
+        lst = strict.listen("127.0.0.1:0")
+        pairs = []
+        try:
+            for _ in range(100):
+                accepting = asyncio.ensure_future(lst.aaccept(timeout=10))
+                client = await fab.aconnect(lst.address, timeout=10)
+                pairs.append((client, await accepting))
+
+            async def one(i, client, server):
+                with pytest.raises(fabric.MessageTooLarge):
+                    await client.asend(bytes(2000 if i % 2 else 100_000))   # eager / rendezvous
+                data = i.to_bytes(4, "little") * 250                         # 1000 B: the limit itself
+                await client.asend(data)
+                assert await server.arecv(timeout=30) == data
+
+            await asyncio.gather(*(one(i, c, s) for i, (c, s) in enumerate(pairs)))
+        finally:
+            for client, server in pairs:
+                client.close()
+                server.close()
+            fab.close()
+            strict.close()
+    run(main())
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("progress_by", ["request_done", "fabric_progress"])
 def test_progress_made_by_another_coroutine_wakes_the_receiver(progress_by):
