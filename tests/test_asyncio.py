@@ -121,6 +121,58 @@ def test_async_peer_close_is_reported(backend_name):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("connections", [1, 100])
+def test_closing_an_endpoint_wakes_every_coroutine_waiting_on_it(backend_name, connections):
+    """A close from this side (Dask's comm.abort() while its reader waits)
+    ends the receives, the unfinished send and the accept waiting on that
+    endpoint or listener at once, with no timeout of their own; the
+    connection left open keeps working. (The close unregistered the endpoint
+    before the loop looked, and its waiters slept forever.)"""
+    async def main():
+        fab = fabric.Fabric(backend_name, **small_options())
+        other = fabric.Fabric(backend_name, **small_options())
+        lst = other.listen("127.0.0.1:0")
+        pairs = []
+        try:
+            for _ in range(connections + 1):
+                accepting = asyncio.ensure_future(lst.aaccept(timeout=10))
+                client = await fab.aconnect(lst.address, timeout=10)
+                pairs.append((client, await accepting))
+            kept_client, kept_server = pairs.pop()
+            waiting = []
+            for client, _ in pairs:
+                waiting.append(asyncio.ensure_future(client.arecv()))
+                waiting.append(asyncio.ensure_future(client.arecv_into(bytearray(1 << 20))))
+                waiting.append(asyncio.ensure_future(client.isend(bytes(4 << 20)).await_done()))
+            accept = asyncio.ensure_future(lst.aaccept())
+            await asyncio.sleep(0.2)
+            assert not any(w.done() for w in waiting) and not accept.done()
+            for client, _ in pairs:
+                client.close(linger=0)
+            lst.close()
+            done, pending = await asyncio.wait(waiting + [accept], timeout=20)
+            assert not pending, f"{len(pending)} of {len(waiting) + 1} waits still asleep after the close"
+            for w in done:
+                error = w.exception()
+                # the send may have finished before the close (the peer pulled ahead)
+                assert error is None or isinstance(error, fabric.ConnectionClosed), repr(error)
+            assert sum(isinstance(w.exception(), fabric.ConnectionClosed) for w in waiting) >= 2 * connections
+            assert isinstance(accept.exception(), fabric.ConnectionClosed)
+            await kept_client.asend(b"still here")
+            assert await kept_server.arecv(timeout=10) == b"still here"
+            kept_client.close()
+            kept_server.close()
+        finally:
+            for client, server in pairs:
+                client.close()
+                server.close()
+            lst.close()
+            fab.close()
+            other.close()
+    run(main())
+
+
+@pytest.mark.timeout(120)
 def test_sends_above_the_peers_max_message_fail_alone_on_100_connections(backend_name):
     async def main():
         fab = fabric.Fabric(backend_name, **small_options())

@@ -146,6 +146,7 @@ cdef struct node_t:
     uint32_t slot
     uint64_t key
     qlink_t touched             # progressed since an event loop last looked (fabric.aio)
+    uint64_t touched_key        # key when touched: a close unregisters (key 0) before the loop looks
     uint64_t gen                # bumped whenever it is touched (fabric.aio closes its wake-up race with it)
 
 cdef struct ep_t:

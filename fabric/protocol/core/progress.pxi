@@ -169,6 +169,9 @@ cdef inline void touch(worker_t* w, node_t* node) noexcept nogil:
     node.gen += 1
     w.gen += 1
     if w.loop_attached and node.key:
+        # the key goes with it: a close touches, then unregisters the node,
+        # and the coroutines waiting on it must still be woken by that key
+        node.touched_key = node.key
         q_add(&w.touched, &node.touched)
 
 cdef uint64_t node_register(worker_t* w, node_t* node, int fd, uint32_t events) noexcept nogil:

@@ -564,7 +564,7 @@ cdef class Worker:
                     node = <node_t*>q_pop(&self.w.touched)
                     if node == NULL:
                         break
-                    keys[nkeys] = node.key
+                    keys[nkeys] = node.touched_key
                     nkeys += 1
                 more = self.w.touched != NULL
                 wunlock(self.w)
