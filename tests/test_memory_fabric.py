@@ -531,12 +531,11 @@ def test_a_received_rendezvous_leaves_no_registration(into):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason="CONTRACT GAP 3: the engine returns a receive buffer's credit "
-                   "while it processes the message, in the same progress call, but by interface.pxd "
-                   "the buffer stays in use until the next poll() (its data is valid until then); a "
-                   "peer quick enough sends into buffers not yet posted again. On verbs (reposted at "
-                   "the next poll, rnr_retry=7) that is an RNR stall, not a failure.")
 def test_credits_never_outrun_the_posted_receive_buffers():
+    """The engine returns a receive buffer's credit in the progress call that
+    processed its message; the buffer is recycled (the channel's recycle())
+    before that, so a quick peer never sends into a buffer not yet posted
+    again (on verbs: an RNR NAK and a wait of min_rnr_timer)."""
     pair = MemPair(memory.DEFAULT_CAPS | memory.CAP_SEND_ANY_MEMORY, 8, strict_recv=True,
                    coalesce=0, credits=8, send_buffers=16)
 

@@ -186,6 +186,7 @@ MEM_OPS.cancel_read = mem_cancel_read
 MEM_OPS.poll = mem_poll
 MEM_OPS.arm = mem_arm
 MEM_OPS.close = mem_close
+MEM_OPS.recycle = mem_recycle
 
 
 # ------------------------------------------------------------------ helpers
@@ -572,17 +573,11 @@ cdef int mem_cancel_read(fab_channel* ch, uint64_t ctx) noexcept nogil:
     return 0
 
 
-cdef int mem_poll(fab_channel* ch, fab_completion* out, int max_events) noexcept nogil:
-    cdef mem_chan* c = <mem_chan*>ch
-    cdef mem_link* L = c.link
-    cdef mem_side* s = &L.sides[c.side]
-    cdef mem_cq* q
+cdef void release_handed(mem_side* s) noexcept nogil:
+    """The data handed out by the last poll is free again, and so are its
+    receive buffers (link lock held)."""
+    cdef mem_cq* q = s.handed
     cdef mem_cq* n
-    cdef int k = 0
-    cdef uint64_t junk
-    pthread_mutex_lock(&L.lock)
-    # the data handed out by the previous poll is free again: so are its buffers
-    q = s.handed
     while q != NULL:
         n = q.next
         if q.ev.kind == FAB_EV_RECV:
@@ -591,6 +586,24 @@ cdef int mem_poll(fab_channel* ch, fab_completion* out, int max_events) noexcept
         free(q)
         q = n
     s.handed = NULL
+
+
+cdef void mem_recycle(fab_channel* ch) noexcept nogil:
+    cdef mem_chan* c = <mem_chan*>ch
+    pthread_mutex_lock(&c.link.lock)
+    release_handed(&c.link.sides[c.side])
+    pthread_mutex_unlock(&c.link.lock)
+
+
+cdef int mem_poll(fab_channel* ch, fab_completion* out, int max_events) noexcept nogil:
+    cdef mem_chan* c = <mem_chan*>ch
+    cdef mem_link* L = c.link
+    cdef mem_side* s = &L.sides[c.side]
+    cdef mem_cq* q
+    cdef int k = 0
+    cdef uint64_t junk
+    pthread_mutex_lock(&L.lock)
+    release_handed(s)          # (what the engine did not recycle)
     read(s.fd, &junk, 8)
     while k < max_events and s.cq_head != NULL:
         q = s.cq_head

@@ -16,7 +16,11 @@
 # Lifetime rules, which every backend must honour:
 #   * Memory given to send() stays untouched by the engine until send() returned
 #     FAB_DONE or a FAB_EV_SEND completion with the same ctx was polled.
-#   * Data of a FAB_EV_RECV completion is valid until the next poll() call.
+#   * Data of a FAB_EV_RECV completion is valid until the next poll() call,
+#     or until recycle() (where the backend has it): the engine calls it once
+#     it is done with everything that poll() returned, before it returns the
+#     credits of those messages, so a backend that reposts receive buffers has
+#     them posted again before the peer may use the credits.
 #   * close() releases every resource of the channel, including every region
 #     registered on it; after close() returns the backend touches no memory the
 #     engine gave it (no read still landing in a receive buffer).
@@ -154,6 +158,9 @@ cdef struct fab_channel_ops:
     # possible right now (do not block).
     int (*arm)(fab_channel* ch, uint32_t* events) noexcept nogil
     void (*close)(fab_channel* ch) noexcept nogil
+    # The engine is done with the data of every completion the last poll()
+    # returned (NULL where receive buffers need no recycling).
+    void (*recycle)(fab_channel* ch) noexcept nogil
 
 cdef struct fab_channel:
     fab_channel_ops* ops

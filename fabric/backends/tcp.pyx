@@ -202,6 +202,7 @@ TCP_OPS.cancel_read = tcp_cancel_read
 TCP_OPS.poll = tcp_poll
 TCP_OPS.arm = tcp_arm
 TCP_OPS.close = tcp_close
+TCP_OPS.recycle = NULL
 
 
 cdef inline void make_header(uint8_t* h, int kind, uint32_t length, uint64_t ident) noexcept nogil:

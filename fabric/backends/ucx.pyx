@@ -304,6 +304,7 @@ UCX_OPS.cancel_read = ucx_cancel_read
 UCX_OPS.poll = ucx_poll
 UCX_OPS.arm = ucx_arm
 UCX_OPS.close = ucx_close
+UCX_OPS.recycle = NULL
 
 
 # ------------------------------------------------------------------ domain

@@ -182,6 +182,7 @@ VB_OPS.cancel_read = vb_cancel_read
 VB_OPS.poll = vb_poll
 VB_OPS.arm = vb_arm
 VB_OPS.close = vb_close
+VB_OPS.recycle = vb_recycle
 
 
 cdef void domain_unref(vb_domain* d) noexcept nogil:
@@ -482,19 +483,28 @@ cdef int emit_wc(vb_chan* ch, ibv_wc* wc, fab_completion* out, int n) noexcept n
     out[n].length = 0
     return n + 1
 
-cdef int vb_poll(fab_channel* fch, fab_completion* out, int max_events) noexcept nogil:
+cdef void vb_recycle(fab_channel* fch) noexcept nogil:
+    """Receive buffers handed out by the last poll go back to the receive
+    queue. The engine calls this before it returns their credits: only
+    credits + 1 buffers are posted, and a peer that used a returned credit
+    before the buffer was back would meet an RNR NAK (and a wait of
+    min_rnr_timer)."""
     cdef vb_chan* ch = <vb_chan*>fch
-    cdef ibv_wc wc[32]
-    cdef int n = 0, got, i, want
     cdef uint32_t k
-    cdef ibv_cq* ev_cq
-    cdef void* ev_ctx
-    # buffers handed out by the previous poll go back to the receive queue
     for k in range(ch.nrepost):
         if fab_ib_post_recv(ch.qp, <uint64_t><size_t>(ch.rbuf + ch.repost[k] * ch.slot), <uint32_t>ch.slot,
                             ch.rmr.lkey, WR_RECV | ch.repost[k]) != 0 and not fch.failed:
             fab_fail(fch, EIO_, "ibv_post_recv")
     ch.nrepost = 0
+
+cdef int vb_poll(fab_channel* fch, fab_completion* out, int max_events) noexcept nogil:
+    cdef vb_chan* ch = <vb_chan*>fch
+    cdef ibv_wc wc[32]
+    cdef int n = 0, got, i, want
+    cdef ibv_cq* ev_cq
+    cdef void* ev_ctx
+    # (what the engine did not recycle after the previous poll)
+    vb_recycle(fch)
     if (ch.state == ST_BOOT or ch.state == ST_RTS) and not fch.failed:
         boot_step(ch)
     if ch.unacked >= 16:

@@ -71,6 +71,10 @@ cdef void progress_ep_own(ep_t* ep) noexcept nogil:
                     on_chunk_served(ep, <fab_mr*><size_t>ev[i].ctx)
                 elif ev[i].kind == FAB_EV_FAILED:
                     ep_channel_failed(ep)
+            if (n > 0 and ep.ch != NULL and ep.ch.ops.recycle != NULL
+                    and (ep.state == EP_OPEN or ep.state == EP_HANDSHAKE)):
+                # the receive buffers go back before their credits do (ep_flush)
+                ep.ch.ops.recycle(ep.ch)
             if ep.state == EP_OPEN:
                 ep_flush(ep)
             if n < MAX_EVENTS:
