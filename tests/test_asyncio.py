@@ -26,6 +26,15 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 60))
 
 
+async def connect_pairs(fab, lst, n, pairs):
+    """n connections from fab to lst, each appended to pairs as (client,
+    server) once open (the caller closes what is there, however far it got)."""
+    for _ in range(n):
+        accepting = asyncio.ensure_future(lst.aaccept(timeout=10))
+        client = await fab.aconnect(lst.address, timeout=10)
+        pairs.append((client, await accepting))
+
+
 @pytest.mark.timeout(90)
 def test_async_round_trips_all_protocols(backend_name):
     async def main():
@@ -134,10 +143,7 @@ def test_closing_an_endpoint_wakes_every_coroutine_waiting_on_it(backend_name, c
         lst = other.listen("127.0.0.1:0")
         pairs = []
         try:
-            for _ in range(connections + 1):
-                accepting = asyncio.ensure_future(lst.aaccept(timeout=10))
-                client = await fab.aconnect(lst.address, timeout=10)
-                pairs.append((client, await accepting))
+            await connect_pairs(fab, lst, connections + 1, pairs)
             kept_client, kept_server = pairs.pop()
             waiting = []
             for client, _ in pairs:
@@ -180,10 +186,7 @@ def test_sends_above_the_peers_max_message_fail_alone_on_100_connections(backend
         lst = strict.listen("127.0.0.1:0")
         pairs = []
         try:
-            for _ in range(100):
-                accepting = asyncio.ensure_future(lst.aaccept(timeout=10))
-                client = await fab.aconnect(lst.address, timeout=10)
-                pairs.append((client, await accepting))
+            await connect_pairs(fab, lst, 100, pairs)
 
             async def one(i, client, server):
                 with pytest.raises(fabric.MessageTooLarge):
